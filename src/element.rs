@@ -1,0 +1,70 @@
+//! [`Element`]: the float types attention is computed in.
+
+use std::fmt::{Debug, Display};
+
+use ndarray::{LinalgScalar, ScalarOperand};
+use num_traits::Float;
+
+pub(crate) mod sealed {
+    use ndarray::{ArrayView4, ArrayViewMut4};
+
+    use crate::options::AttentionOptions;
+    use crate::shape::AttentionShape;
+
+    /// Keeps [`Element`](super::Element) to the types the crate has paths for,
+    /// and routes each to its fastest path.
+    pub trait Sealed: Sized {
+        /// Computes attention into `out`. The arguments were checked by
+        /// `shape::check` and `out` has the output's shape.
+        fn attention_into_checked(
+            q: &ArrayView4<'_, Self>,
+            k: &ArrayView4<'_, Self>,
+            v: &ArrayView4<'_, Self>,
+            opts: &AttentionOptions<'_, Self>,
+            shape: &AttentionShape,
+            scale: Self,
+            out: ArrayViewMut4<'_, Self>,
+        );
+    }
+
+    impl Sealed for f32 {
+        fn attention_into_checked(
+            q: &ArrayView4<'_, f32>,
+            k: &ArrayView4<'_, f32>,
+            v: &ArrayView4<'_, f32>,
+            opts: &AttentionOptions<'_, f32>,
+            shape: &AttentionShape,
+            scale: f32,
+            out: ArrayViewMut4<'_, f32>,
+        ) {
+            crate::core::attention_into_checked(q, k, v, opts, shape, scale, out);
+        }
+    }
+
+    impl Sealed for f64 {
+        fn attention_into_checked(
+            q: &ArrayView4<'_, f64>,
+            k: &ArrayView4<'_, f64>,
+            v: &ArrayView4<'_, f64>,
+            opts: &AttentionOptions<'_, f64>,
+            shape: &AttentionShape,
+            scale: f64,
+            out: ArrayViewMut4<'_, f64>,
+        ) {
+            crate::core::attention_into_checked(q, k, v, opts, shape, scale, out);
+        }
+    }
+}
+
+/// A float type attention is computed in: `f32` or `f64`.
+///
+/// Sealed: the fast path is written for the types the crate knows. `f32`
+/// calls run the fused, hand-vectorized path; `f64` calls run
+/// [`core`](crate::core), the reference.
+pub trait Element:
+    Float + LinalgScalar + ScalarOperand + Debug + Display + Send + Sync + 'static + sealed::Sealed
+{
+}
+
+impl Element for f32 {}
+impl Element for f64 {}

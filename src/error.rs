@@ -1,0 +1,81 @@
+//! The one error type of the crate.
+
+use std::fmt;
+
+/// What kind of bad input an [`AttentionError`] reports.
+///
+/// Matching on the kind lets a caller react to a class of mistakes; the
+/// error's `Display` says exactly which argument and which shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// Two arguments disagree on a dimension they must share
+    /// (batch, head dim, key/value length, output shape, layer weights).
+    ShapeMismatch,
+    /// A dimension that must be positive is zero (`d_k`, heads, `d_model`).
+    ZeroDimension,
+    /// The number of query heads is not a multiple of the number of key/value heads.
+    HeadsNotDivisible,
+    /// A keep mask or bias cannot be broadcast to `[batch, heads, len_q, len_kv]`.
+    NotBroadcastable,
+    /// A key length is past `len_kv`, or the wrong number of key lengths was given.
+    KeyLengths,
+    /// A scale or other scalar option is not finite.
+    InvalidOption,
+    /// A requested kernel set is unknown or not supported by this CPU.
+    UnsupportedKernel,
+}
+
+/// Bad input to an attention call: the kind, and a message naming the
+/// argument and the shapes involved.
+///
+/// ```
+/// use ndarray::Array4;
+/// use sdpa::{scaled_dot_product_attention, AttentionOptions, ErrorKind};
+///
+/// let q = Array4::<f32>::zeros((1, 2, 3, 4));
+/// let k = Array4::<f32>::zeros((1, 2, 3, 5)); // d_k disagrees with q
+/// let v = Array4::<f32>::zeros((1, 2, 3, 4));
+/// let err = scaled_dot_product_attention(q.view(), k.view(), v.view(), &AttentionOptions::new())
+///     .unwrap_err();
+/// assert_eq!(err.kind(), ErrorKind::ShapeMismatch);
+/// assert!(err.to_string().contains("d_k"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionError {
+    kind: ErrorKind,
+    message: String,
+}
+
+impl AttentionError {
+    /// An error of `kind` with a message for people.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// The kind of error.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The message, naming the argument and the shapes.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for AttentionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for AttentionError {}
+
+/// Shorthand used throughout the crate.
+pub(crate) fn shape_error(message: impl Into<String>) -> AttentionError {
+    AttentionError::new(ErrorKind::ShapeMismatch, message)
+}
