@@ -5,6 +5,9 @@ use std::fmt::{Debug, Display};
 use ndarray::{LinalgScalar, ScalarOperand};
 use num_traits::Float;
 
+// The sealed trait is nameable only inside the crate, so the crate-private
+// types in its signature are never visible to users.
+#[allow(private_interfaces)]
 pub(crate) mod sealed {
     use ndarray::{ArrayView4, ArrayViewMut4};
 

@@ -2,18 +2,22 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod attention;
 pub mod core;
 mod element;
 mod error;
 mod options;
+mod sequence;
 mod shape;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
+
 pub use element::Element;
-use element::sealed::Sealed as _;
 pub use error::{AttentionError, ErrorKind};
 pub use options::{AttentionOptions, CausalAlignment};
+// The layer types (src/attention.rs) and the single-sequence forms
+// (src/sequence.rs) are re-exported here once written.
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + bias, masked)·V`.
 ///

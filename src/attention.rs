@@ -1,0 +1,1 @@
+//! Attention / CausalAttention layer types (to be written).

@@ -1,0 +1,1 @@
+//! Single-sequence forms of attention (to be written).
