@@ -12,12 +12,11 @@ mod shape;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
-
+pub use attention::{Attention, AttentionConfig, CausalAttention};
 pub use element::Element;
 pub use error::{AttentionError, ErrorKind};
 pub use options::{AttentionOptions, CausalAlignment};
-// The layer types (src/attention.rs) and the single-sequence forms
-// (src/sequence.rs) are re-exported here once written.
+pub use sequence::{Masking, simple_self_attention, single_sequence_attention};
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + bias, masked)·V`.
 ///
