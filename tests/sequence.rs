@@ -79,7 +79,9 @@ proptest! {
     #[test]
     fn simple_causal_rows_ignore_later_positions(x in sequence(), noise in -3.0..3.0_f64) {
         let len = x.nrows();
-        prop_assume!(len >= 2);
+        if len < 2 {
+            return Ok(());
+        }
         let y = simple_self_attention(x.view(), Masking::Causal).unwrap();
         let mut changed = x.clone();
         changed.row_mut(len - 1).mapv_inplace(|v| v + noise);
