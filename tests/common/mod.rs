@@ -7,7 +7,7 @@
 
 use ndarray::{Array4, ArrayView4, Dimension};
 use proptest::prelude::*;
-use sdpa::Element;
+use sdpa::{AttentionOptions, CausalAlignment, Element};
 
 /// `x` as `F` (every `f64` converts to `f32`/`f64`, possibly rounded).
 pub fn cast<F: Element>(x: f64) -> F {
@@ -351,4 +351,171 @@ pub fn prop_close<F: Element, G: Element, D: Dimension>(
     tol: f64,
 ) -> Result<(), TestCaseError> {
     close(actual, expected, tol).map_err(TestCaseError::fail)
+}
+
+/// Which options a call uses; the arrays are drawn from a seed later.
+/// `keep_mask` / `bias` give, per dimension of `[batch, heads, len_q,
+/// len_kv]`, whether it is broadcast (length 1).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct OptionSpec {
+    pub causal: Option<CausalAlignment>,
+    pub scale: Option<f64>,
+    pub keep_mask: Option<[bool; 4]>,
+    pub bias: Option<[bool; 4]>,
+    pub key_lengths: bool,
+}
+
+pub fn alignment() -> impl Strategy<Value = Option<CausalAlignment>> {
+    prop_oneof![
+        Just(None),
+        Just(Some(CausalAlignment::BottomRight)),
+        Just(Some(CausalAlignment::TopLeft)),
+    ]
+}
+
+/// Any combination of options.
+pub fn option_spec() -> impl Strategy<Value = OptionSpec> {
+    (
+        alignment(),
+        prop::option::of(prop_oneof![-1.5..1.5f64, Just(0.0)]),
+        prop::option::of(any::<[bool; 4]>()),
+        prop::option::of(any::<[bool; 4]>()),
+        any::<bool>(),
+    )
+        .prop_map(|(causal, scale, keep_mask, bias, key_lengths)| OptionSpec {
+            causal,
+            scale,
+            keep_mask,
+            bias,
+            key_lengths,
+        })
+}
+
+/// The entry of a broadcastable `[batch, heads, len_q, len_kv]` array.
+pub fn broadcast_at<T: Copy>(a: &Array4<T>, b: usize, h: usize, i: usize, j: usize) -> T {
+    let s = a.shape();
+    let pick = |len: usize, index: usize| if len == 1 { 0 } else { index };
+    a[[pick(s[0], b), pick(s[1], h), pick(s[2], i), pick(s[3], j)]]
+}
+
+/// The shape `full` with the dimensions marked in `ones` set to 1.
+pub fn broadcast_shape(full: [usize; 4], ones: [bool; 4]) -> [usize; 4] {
+    std::array::from_fn(|d| if ones[d] { 1 } else { full[d] })
+}
+
+/// The option arrays of one call, drawn for a [`OptionSpec`].
+#[derive(Debug, Clone)]
+pub struct Extras<F> {
+    pub dims: Dims,
+    pub causal: Option<CausalAlignment>,
+    pub scale: Option<F>,
+    pub keep_mask: Option<Array4<bool>>,
+    pub bias: Option<Array4<F>>,
+    pub key_lengths: Option<Vec<usize>>,
+}
+
+impl<F: Element> Extras<F> {
+    /// No options: bidirectional, default scale.
+    pub fn none(dims: &Dims) -> Self {
+        Self {
+            dims: *dims,
+            causal: None,
+            scale: None,
+            keep_mask: None,
+            bias: None,
+            key_lengths: None,
+        }
+    }
+
+    /// Arrays for `spec`: keep-mask entries `true` with probability 0.7,
+    /// bias uniform in `[-1, 1)`, key lengths uniform in `0..=len_kv`.
+    pub fn random(spec: &OptionSpec, dims: &Dims, rng: &mut Rng) -> Self {
+        Self {
+            dims: *dims,
+            causal: spec.causal,
+            scale: spec.scale.map(cast),
+            keep_mask: spec
+                .keep_mask
+                .map(|ones| rng.mask(broadcast_shape(dims.scores(), ones), 0.7)),
+            bias: spec
+                .bias
+                .map(|ones| rng.array(broadcast_shape(dims.scores(), ones))),
+            key_lengths: spec.key_lengths.then(|| {
+                (0..dims.batch)
+                    .map(|_| rng.below(dims.len_kv + 1))
+                    .collect()
+            }),
+        }
+    }
+
+    /// The options for the crate.
+    pub fn options(&self) -> AttentionOptions<'_, F> {
+        let mut opts = AttentionOptions::new();
+        if let Some(alignment) = self.causal {
+            opts = opts.causal_aligned(alignment);
+        }
+        if let Some(scale) = self.scale {
+            opts = opts.scale(scale);
+        }
+        if let Some(mask) = &self.keep_mask {
+            opts = opts.keep_mask(mask.view());
+        }
+        if let Some(bias) = &self.bias {
+            opts = opts.bias(bias.view());
+        }
+        if let Some(lengths) = &self.key_lengths {
+            opts = opts.key_lengths(lengths);
+        }
+        opts
+    }
+
+    /// Whether query `i` of `(b, h)` may see key `j`, from the definitions.
+    pub fn visible(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
+        let (len_q, len_kv) = (self.dims.len_q, self.dims.len_kv);
+        let causal = match self.causal {
+            None => true,
+            Some(CausalAlignment::BottomRight) => bottom_right_visible(i, j, len_q, len_kv),
+            Some(CausalAlignment::TopLeft) => top_left_visible(i, j),
+        };
+        causal
+            && self.key_lengths.as_ref().is_none_or(|l| j < l[b])
+            && self
+                .keep_mask
+                .as_ref()
+                .is_none_or(|m| broadcast_at(m, b, h, i, j))
+    }
+
+    pub fn bias_at(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
+        self.bias
+            .as_ref()
+            .map_or(0.0, |bias| to_f64(broadcast_at(bias, b, h, i, j)))
+    }
+
+    /// The scale in `f64`: the option, or `1/√d_k` computed in `F`.
+    pub fn scale_f64(&self) -> f64 {
+        let default = F::one() / cast::<F>(self.dims.d_k as f64).sqrt();
+        to_f64(self.scale.unwrap_or(default))
+    }
+
+    /// The same options in `f64` (exact).
+    pub fn to_f64(&self) -> Extras<f64> {
+        Extras {
+            dims: self.dims,
+            causal: self.causal,
+            scale: self.scale.map(to_f64),
+            keep_mask: self.keep_mask.clone(),
+            bias: self.bias.as_ref().map(|b| array_to_f64(&b.view())),
+            key_lengths: self.key_lengths.clone(),
+        }
+    }
+
+    /// [`naive_attention`] of `inputs` with these options.
+    pub fn naive(&self, inputs: &Inputs<F>) -> Array4<f64> {
+        naive_attention(
+            &inputs.to_f64(),
+            self.scale_f64(),
+            |b, h, i, j| self.visible(b, h, i, j),
+            |b, h, i, j| self.bias_at(b, h, i, j),
+        )
+    }
 }
