@@ -11,11 +11,13 @@ use num_traits::Float;
 pub(crate) mod sealed {
     use ndarray::{ArrayView4, ArrayViewMut4};
 
+    use crate::error::AttentionError;
     use crate::options::AttentionOptions;
     use crate::shape::AttentionShape;
 
     /// Keeps [`Element`](super::Element) to the types the crate has paths for,
     /// and routes each to its fastest path.
+    /// The `Err` is for a kernel set this CPU cannot run.
     pub trait Sealed: Sized {
         /// Computes attention into `out`. The arguments were checked by
         /// `shape::check` and `out` has the output's shape.
@@ -27,7 +29,7 @@ pub(crate) mod sealed {
             shape: &AttentionShape,
             scale: Self,
             out: ArrayViewMut4<'_, Self>,
-        );
+        ) -> Result<(), AttentionError>;
     }
 
     impl Sealed for f32 {
@@ -39,8 +41,8 @@ pub(crate) mod sealed {
             shape: &AttentionShape,
             scale: f32,
             out: ArrayViewMut4<'_, f32>,
-        ) {
-            crate::core::attention_into_checked(q, k, v, opts, shape, scale, out);
+        ) -> Result<(), AttentionError> {
+            crate::fused::attention_into(q, k, v, opts, shape, scale, out)
         }
     }
 
@@ -53,8 +55,9 @@ pub(crate) mod sealed {
             shape: &AttentionShape,
             scale: f64,
             out: ArrayViewMut4<'_, f64>,
-        ) {
+        ) -> Result<(), AttentionError> {
             crate::core::attention_into_checked(q, k, v, opts, shape, scale, out);
+            Ok(())
         }
     }
 }

@@ -6,9 +6,11 @@ mod attention;
 pub mod core;
 mod element;
 mod error;
+mod fused;
 mod options;
 mod sequence;
 mod shape;
+pub mod simd;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
@@ -56,7 +58,7 @@ pub fn scaled_dot_product_attention<F: Element>(
 ) -> Result<Array4<F>, AttentionError> {
     let (shape, scale) = shape::check(&q, &k, &v, opts)?;
     let mut out = Array4::zeros(shape.output_dim());
-    F::attention_into_checked(&q, &k, &v, opts, &shape, scale, out.view_mut());
+    F::attention_into_checked(&q, &k, &v, opts, &shape, scale, out.view_mut())?;
     Ok(out)
 }
 
@@ -86,6 +88,5 @@ pub fn scaled_dot_product_attention_into<F: Element>(
 ) -> Result<(), AttentionError> {
     let (shape, scale) = shape::check(&q, &k, &v, opts)?;
     shape::check_output(&shape, out.shape())?;
-    F::attention_into_checked(&q, &k, &v, opts, &shape, scale, out);
-    Ok(())
+    F::attention_into_checked(&q, &k, &v, opts, &shape, scale, out)
 }

@@ -7,6 +7,8 @@
 
 use ndarray::{ArrayView1, ArrayView4, Axis};
 
+use crate::simd::KernelSet;
+
 /// How a causal mask lines the queries up against the keys when
 /// `len_q != len_kv`.
 ///
@@ -68,6 +70,7 @@ pub struct AttentionOptions<'a, F> {
     pub(crate) keep_mask: Option<ArrayView4<'a, bool>>,
     pub(crate) bias: Option<ArrayView4<'a, F>>,
     pub(crate) key_lengths: Option<&'a [usize]>,
+    pub(crate) kernel_set: Option<KernelSet>,
 }
 
 impl<F> Default for AttentionOptions<'_, F> {
@@ -78,6 +81,7 @@ impl<F> Default for AttentionOptions<'_, F> {
             keep_mask: None,
             bias: None,
             key_lengths: None,
+            kernel_set: None,
         }
     }
 }
@@ -127,6 +131,15 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
     /// and invisible. One length per batch item, each `≤ len_kv`.
     pub fn key_lengths(mut self, key_lengths: &'a [usize]) -> Self {
         self.key_lengths = Some(key_lengths);
+        self
+    }
+
+    /// Runs `f32` calls on this kernel set instead of the one chosen at run
+    /// time (see [`crate::simd`]); for tests and benchmarks. The call
+    /// returns an error if this CPU cannot run it. `f64` calls always run
+    /// [`crate::core`] and ignore it.
+    pub fn kernel_set(mut self, set: KernelSet) -> Self {
+        self.kernel_set = Some(set);
         self
     }
 }

@@ -9,8 +9,8 @@
 mod common;
 
 use common::{
-    Dims, Extras, Inputs, OptionSpec, Rng, alignment, broadcast_shape, dims, nonempty_dims,
-    option_spec, prop_close, tolerance,
+    Dims, Extras, Inputs, OptionSpec, Rng, alignment, both_paths, broadcast_shape, dims,
+    nonempty_dims, option_spec, prop_close, tolerance,
 };
 use ndarray::{Array4, ArrayView2, Axis, s};
 use proptest::prelude::*;
@@ -23,24 +23,6 @@ fn setup<F: Element>(dims: &Dims, spec: &OptionSpec, seed: u64) -> (Inputs<F>, E
     let inputs = Inputs::random(dims, &mut rng);
     let extras = Extras::random(spec, dims, &mut rng);
     (inputs, extras)
-}
-
-/// The output of both paths: `sdpa::` then `sdpa::core::`.
-fn both_paths<F: Element>(
-    inputs: &Inputs<F>,
-    opts: &AttentionOptions<'_, F>,
-) -> [(&'static str, Array4<F>); 2] {
-    let (q, k, v) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
-    [
-        (
-            "sdpa",
-            sdpa::scaled_dot_product_attention(q, k, v, opts).expect("valid call"),
-        ),
-        (
-            "sdpa::core",
-            sdpa::core::scaled_dot_product_attention(q, k, v, opts).expect("valid call"),
-        ),
-    ]
 }
 
 fn matches_the_definition<F: Element>(dims: Dims, spec: OptionSpec, seed: u64) -> Check {

@@ -519,3 +519,22 @@ impl<F: Element> Extras<F> {
         )
     }
 }
+
+/// The output of both paths on a valid call: `sdpa::` (the fast path for
+/// `f32`, once it exists) then `sdpa::core::`.
+pub fn both_paths<F: Element>(
+    inputs: &Inputs<F>,
+    opts: &AttentionOptions<'_, F>,
+) -> [(&'static str, Array4<F>); 2] {
+    let (q, k, v) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
+    [
+        (
+            "sdpa",
+            sdpa::scaled_dot_product_attention(q, k, v, opts).expect("valid call"),
+        ),
+        (
+            "sdpa::core",
+            sdpa::core::scaled_dot_product_attention(q, k, v, opts).expect("valid call"),
+        ),
+    ]
+}

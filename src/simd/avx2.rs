@@ -1,0 +1,107 @@
+//! The AVX2 + FMA kernel set: 8 `f32` lanes in a `__m256`, 16 registers.
+//!
+//! Register tiles: Q·Kᵀ 6 rows × 2 vectors (16 keys) = 12 accumulators;
+//! P·V 6 rows × 2 vectors (16 value columns) = 12 accumulators, plus the
+//! loaded vectors and one broadcast.
+
+use std::arch::x86_64::*;
+
+use super::KernelSet;
+use super::kernels::impl_kernel;
+use super::vector::Vector;
+
+/// The AVX2 + FMA kernels; built only on a CPU that has both.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Avx2 {
+    _cpu_has_avx2_and_fma: (),
+}
+
+impl Avx2 {
+    /// The kernels, if this CPU has AVX2 and FMA.
+    pub(crate) fn new() -> Option<Self> {
+        (is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")).then_some(Self {
+            _cpu_has_avx2_and_fma: (),
+        })
+    }
+}
+
+// SAFETY (every method): the trait's contract is that the CPU has AVX2 and
+// FMA, and pointers are valid for 8 `f32`s.
+impl Vector for __m256 {
+    const LANES: usize = 8;
+
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        unsafe { _mm256_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(ptr: *const f32) -> Self {
+        unsafe { _mm256_loadu_ps(ptr) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, ptr: *mut f32) {
+        unsafe { _mm256_storeu_ps(ptr, self) }
+    }
+    #[inline(always)]
+    unsafe fn add(self, other: Self) -> Self {
+        unsafe { _mm256_add_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn sub(self, other: Self) -> Self {
+        unsafe { _mm256_sub_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn mul(self, other: Self) -> Self {
+        unsafe { _mm256_mul_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+        unsafe { _mm256_fmadd_ps(self, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn max(self, other: Self) -> Self {
+        // `maxps` is exactly `self > other ? self : other`.
+        unsafe { _mm256_max_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn zero_where_less(self, threshold: Self, value: Self) -> Self {
+        unsafe { _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(self, threshold), value) }
+    }
+    #[inline(always)]
+    unsafe fn exp2_int(self) -> Self {
+        unsafe {
+            let n = _mm256_cvtps_epi32(self);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+                n,
+                _mm256_set1_epi32(127),
+            )))
+        }
+    }
+    #[inline(always)]
+    unsafe fn reduce_max(self) -> f32 {
+        unsafe {
+            let x = _mm_max_ps(
+                _mm256_castps256_ps128(self),
+                _mm256_extractf128_ps::<1>(self),
+            );
+            let x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+            _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn reduce_sum(self) -> f32 {
+        unsafe {
+            let x = _mm_add_ps(
+                _mm256_castps256_ps128(self),
+                _mm256_extractf128_ps::<1>(self),
+            );
+            let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+            _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)))
+        }
+    }
+}
+
+impl_kernel!(
+    Avx2, KernelSet::Avx2, __m256, rows: 6, score_vectors: 2, value_vectors: 2,
+    #[target_feature(enable = "avx2,fma")]
+);

@@ -1,0 +1,546 @@
+//! The kernels of the fused path, written once, generic over [`Vector`]:
+//!
+//! - [`exp`]: `e^x` for `x ≤ 0` in every lane;
+//! - [`scores`]: `S = Q·Kᵀ` for a query tile against a packed key tile,
+//!   register-tiled `MR` rows × `NV` vectors of keys;
+//! - [`softmax_rows`]: the online-softmax row pass: running max, `exp`,
+//!   running sum, and the factor `α` that rescales what was accumulated;
+//! - [`accumulate_values`]: `O = α·O + P·V`, register-tiled `MR` rows ×
+//!   `NV` vectors of value columns.
+//!
+//! Tiles are padded by the driver (rows to a multiple of `MR`, keys to a
+//! multiple of the key panel, value columns to a multiple of the lanes), so
+//! the kernels have no ragged edges: padding is computed and thrown away.
+//!
+//! The [`Kernel`] trait is what the driver sees: safe methods that check
+//! every buffer length, then call an instruction set's `#[target_feature]`
+//! instantiation of these functions.
+
+use super::KernelSet;
+use super::vector::Vector;
+
+// e^x = 2^n · e^r with n = round(x / ln 2) and r = x − n·ln 2 in
+// [−ln2/2, ln2/2]; e^r is a degree-5 polynomial, 2^n is built in the exponent
+// bits. Measured maximum error on [−87.3, 0]: see `tests::exp_max_ulp_error`
+// and the doc of `exp`.
+
+/// Below `ln(2^-126)`, e^x is subnormal in `f32`; `exp` returns 0 there, so
+/// `2^n` never leaves the normal range and `−inf` gives 0 without a NaN.
+pub(crate) const EXP_MIN_INPUT: f32 = -87.336_55;
+/// log2(e): x·LOG2_E rounded is `n`.
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
+/// ln 2 split in two (Cody and Waite): LN2_HI has only 9 significant bits, so
+/// `n·LN2_HI` is exact for every `n` here, with or without a fused
+/// multiply-add, and `x − n·LN2_HI` loses nothing.
+const LN2_HI: f32 = 0.693_359_4;
+/// ln 2 − LN2_HI, the rest of ln 2.
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Adding 1.5·2^23 rounds a float of magnitude < 2^22 to a whole number
+/// (round-half-even in the default rounding mode); subtracting it back gives
+/// that whole number as a float.
+const ROUND_MAGIC: f32 = 12_582_912.0;
+/// Minimax polynomial for e^r on [−ln2/2, ln2/2], relative error 7.7e-8
+/// in exact arithmetic (Remez exchange, fitted in f64, rounded to f32),
+/// coefficients of r^0 … r^5.
+const EXP_POLY: [f32; 6] = [
+    1.000_000_1,
+    0.999_999_7,
+    0.499_988_82,
+    0.166_675_64,
+    0.041_916_318,
+    0.008_298_572,
+];
+
+/// `e^x` in every lane, for `x ≤ 0` (and up to 88.7).
+///
+/// Maximum error 2 ulp against the correctly rounded `e^x` over every `f32`
+/// in [−87.3, 0] (measured by the exhaustive test `exp_is_within_two_ulp`;
+/// `exp(0)` is `1 + 1 ulp`). Below [`EXP_MIN_INPUT`] the result is 0, so
+/// `exp(−inf) = 0` with no intermediate NaN; NaN gives NaN.
+#[inline(always)]
+pub(crate) unsafe fn exp<V: Vector>(x: V) -> V {
+    // SAFETY (for the whole body): the caller runs on a CPU with V's
+    // instruction set, and only register operations follow.
+    unsafe {
+        // `max` keeps a NaN in its second operand, so NaN goes through.
+        let clamped = V::splat(EXP_MIN_INPUT).max(x);
+        let magic = V::splat(ROUND_MAGIC);
+        let n = clamped.mul_add(V::splat(LOG2_E), magic).sub(magic);
+        let r = n.mul_add(V::splat(-LN2_HI), clamped);
+        let r = n.mul_add(V::splat(-LN2_LO), r);
+        let mut p = V::splat(EXP_POLY[5]);
+        for &c in EXP_POLY[..5].iter().rev() {
+            p = p.mul_add(r, V::splat(c));
+        }
+        x.zero_where_less(V::splat(EXP_MIN_INPUT), p.mul(n.exp2_int()))
+    }
+}
+
+/// `s[r][j] = Σ_d q[r][d] · k[j][d]` for `rows` query rows (a multiple of
+/// `MR`) and `keys` keys (a multiple of `NV·LANES`).
+///
+/// `q` is row-major `[rows][d]`; `k_panels` holds the keys in panels of
+/// `NV·LANES` keys, each panel `[d][NV·LANES]` (key index fastest), so one
+/// step of `d` loads `NV` vectors of keys and broadcasts one value per row.
+///
+/// # Safety
+/// V's instruction set is available; `q` has `rows·d`, `k_panels` has
+/// `keys·d`, and `s` has `(rows − 1)·s_stride + keys` elements.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn scores<V: Vector, const MR: usize, const NV: usize>(
+    q: *const f32,
+    rows: usize,
+    d: usize,
+    k_panels: *const f32,
+    keys: usize,
+    s: *mut f32,
+    s_stride: usize,
+) {
+    let panel = NV * V::LANES;
+    // SAFETY (for the whole body): every offset below stays inside the
+    // buffer sizes the caller guarantees, as the loop bounds show.
+    unsafe {
+        for r0 in (0..rows).step_by(MR) {
+            let q_rows = q.add(r0 * d);
+            for p in 0..keys / panel {
+                let k = k_panels.add(p * panel * d);
+                let mut acc = [[V::splat(0.0); NV]; MR];
+                for dd in 0..d {
+                    let k_vectors: [V; NV] =
+                        std::array::from_fn(|c| V::load(k.add(dd * panel + c * V::LANES)));
+                    for (r, acc_row) in acc.iter_mut().enumerate() {
+                        let q_value = V::splat(*q_rows.add(r * d + dd));
+                        for (a, &kv) in acc_row.iter_mut().zip(&k_vectors) {
+                            *a = q_value.mul_add(kv, *a);
+                        }
+                    }
+                }
+                for (r, acc_row) in acc.iter().enumerate() {
+                    let out = s.add((r0 + r) * s_stride + p * panel);
+                    for (c, a) in acc_row.iter().enumerate() {
+                        a.store(out.add(c * V::LANES));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The online-softmax pass over one tile of scores, row by row:
+///
+/// ```text
+/// m' = max(m, max_j s[j]);  α = e^(m − m');  s[j] ← e^(s[j] − m');  ℓ' = α·ℓ + Σ_j s[j]
+/// ```
+///
+/// `max`, `sum` and `alpha` hold `m`, `ℓ` and `α` per row. A row whose `m'`
+/// is `−inf` (nothing visible yet) gets `s = 0` and `α = 1`, never NaN.
+/// Masked scores must be `−inf` on entry; they leave as exactly 0.
+///
+/// # Safety
+/// V's instruction set is available; `keys` is a multiple of `V::LANES`; `s`
+/// has `(rows − 1)·s_stride + keys` elements; `max`, `sum`, `alpha` have `rows`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn softmax_rows<V: Vector>(
+    s: *mut f32,
+    rows: usize,
+    keys: usize,
+    s_stride: usize,
+    max: *mut f32,
+    sum: *mut f32,
+    alpha: *mut f32,
+) {
+    // SAFETY (for the whole body): offsets stay within the sizes above.
+    unsafe {
+        for r in 0..rows {
+            let row = s.add(r * s_stride);
+            let mut row_max = V::splat(f32::NEG_INFINITY);
+            for j in (0..keys).step_by(V::LANES) {
+                row_max = V::load(row.add(j)).max(row_max);
+            }
+            let old_max = *max.add(r);
+            let new_max = row_max.reduce_max().max(old_max);
+            if new_max == f32::NEG_INFINITY {
+                for j in (0..keys).step_by(V::LANES) {
+                    V::splat(0.0).store(row.add(j));
+                }
+                *alpha.add(r) = 1.0;
+                continue;
+            }
+            let shift = V::splat(new_max);
+            let mut row_sum = V::splat(0.0);
+            for j in (0..keys).step_by(V::LANES) {
+                let p = exp(V::load(row.add(j)).sub(shift));
+                p.store(row.add(j));
+                row_sum = row_sum.add(p);
+            }
+            // The same exp, one lane: e^(−inf) = 0 on the first visible tile.
+            let a = exp::<f32>(old_max - new_max);
+            *alpha.add(r) = a;
+            *sum.add(r) = a * *sum.add(r) + row_sum.reduce_sum();
+            *max.add(r) = new_max;
+        }
+    }
+}
+
+/// `o[r] ← α[r]·o[r] + Σ_j p[r][j]·v[j]` for `rows` rows (a multiple of `MR`)
+/// and `keys` keys; `v` and `o` are row-major with `value_width` columns (a
+/// multiple of `V::LANES`), taken `NV` vectors at a time.
+///
+/// # Safety
+/// V's instruction set is available; `p` has `(rows − 1)·p_stride + keys`,
+/// `v` has `keys·value_width`, `o` has `rows·value_width` and `alpha` has
+/// `rows` elements.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn accumulate_values<V: Vector, const MR: usize, const NV: usize>(
+    p: *const f32,
+    rows: usize,
+    keys: usize,
+    p_stride: usize,
+    v: *const f32,
+    value_width: usize,
+    alpha: *const f32,
+    o: *mut f32,
+) {
+    let vectors = value_width / V::LANES;
+    // SAFETY (for the whole body): each block call covers rows r0..r0+MR and
+    // value vectors c0..c0+W inside the sizes the caller guarantees.
+    unsafe {
+        for r0 in (0..rows).step_by(MR) {
+            let block = ValueBlock {
+                p: p.add(r0 * p_stride),
+                keys,
+                p_stride,
+                v,
+                value_width,
+                alpha: alpha.add(r0),
+                o: o.add(r0 * value_width),
+            };
+            let mut c0 = 0;
+            while c0 + NV <= vectors {
+                block.run::<V, MR, NV>(c0);
+                c0 += NV;
+            }
+            // The last few value vectors, with a narrower register tile.
+            match vectors - c0 {
+                0 => {}
+                1 => block.run::<V, MR, 1>(c0),
+                2 => block.run::<V, MR, 2>(c0),
+                3 => block.run::<V, MR, 3>(c0),
+                _ => unreachable!("NV is at most 4"),
+            }
+        }
+    }
+}
+
+/// `MR` rows of [`accumulate_values`], starting at their first row.
+#[derive(Clone, Copy)]
+struct ValueBlock {
+    p: *const f32,
+    keys: usize,
+    p_stride: usize,
+    v: *const f32,
+    value_width: usize,
+    alpha: *const f32,
+    o: *mut f32,
+}
+
+impl ValueBlock {
+    /// Value vectors `c0..c0 + W` of the block's `MR` rows.
+    ///
+    /// # Safety
+    /// As [`accumulate_values`], for these rows and vectors.
+    #[inline(always)]
+    unsafe fn run<V: Vector, const MR: usize, const W: usize>(self, c0: usize) {
+        // SAFETY (for the whole body): as the function's contract.
+        unsafe {
+            let column = c0 * V::LANES;
+            let mut acc = [[V::splat(0.0); W]; MR];
+            for (r, acc_row) in acc.iter_mut().enumerate() {
+                let a = V::splat(*self.alpha.add(r));
+                for (c, x) in acc_row.iter_mut().enumerate() {
+                    *x = V::load(self.o.add(r * self.value_width + column + c * V::LANES)).mul(a);
+                }
+            }
+            for j in 0..self.keys {
+                let v_row = self.v.add(j * self.value_width + column);
+                let v_vectors: [V; W] = std::array::from_fn(|c| V::load(v_row.add(c * V::LANES)));
+                for (r, acc_row) in acc.iter_mut().enumerate() {
+                    let weight = V::splat(*self.p.add(r * self.p_stride + j));
+                    for (x, &vv) in acc_row.iter_mut().zip(&v_vectors) {
+                        *x = weight.mul_add(vv, *x);
+                    }
+                }
+            }
+            for (r, acc_row) in acc.iter().enumerate() {
+                for (c, x) in acc_row.iter().enumerate() {
+                    x.store(self.o.add(r * self.value_width + column + c * V::LANES));
+                }
+            }
+        }
+    }
+}
+
+/// One instruction set's kernels with its register tile sizes: what the
+/// fused driver calls. The provided methods check every buffer size and then
+/// call the `*_unchecked` ones.
+pub(crate) trait Kernel: Copy + Send + Sync + 'static {
+    /// The kernel set this is.
+    const SET: KernelSet;
+    /// Query rows per register tile: tiles have a multiple of this many rows.
+    const ROWS: usize;
+    /// Keys per packed key panel: tiles have a multiple of this many keys.
+    const KEY_PANEL: usize;
+    /// Lanes of a vector: value rows are padded to a multiple of this.
+    const LANES: usize;
+
+    /// [`scores`] with this set's tile sizes.
+    ///
+    /// # Safety
+    /// As [`scores`], but for the instruction set, which `self` proves.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores_unchecked(
+        self,
+        q: *const f32,
+        rows: usize,
+        d: usize,
+        k_panels: *const f32,
+        keys: usize,
+        s: *mut f32,
+        s_stride: usize,
+    );
+
+    /// [`softmax_rows`] with this set's vectors.
+    ///
+    /// # Safety
+    /// As [`softmax_rows`], but for the instruction set, which `self` proves.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn softmax_rows_unchecked(
+        self,
+        s: *mut f32,
+        rows: usize,
+        keys: usize,
+        s_stride: usize,
+        max: *mut f32,
+        sum: *mut f32,
+        alpha: *mut f32,
+    );
+
+    /// [`accumulate_values`] with this set's tile sizes.
+    ///
+    /// # Safety
+    /// As [`accumulate_values`], but for the instruction set, which `self` proves.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn accumulate_values_unchecked(
+        self,
+        p: *const f32,
+        rows: usize,
+        keys: usize,
+        p_stride: usize,
+        v: *const f32,
+        value_width: usize,
+        alpha: *const f32,
+        o: *mut f32,
+    );
+
+    /// [`exp`] over `len` values (a multiple of `LANES`) in place.
+    ///
+    /// # Safety
+    /// `x` has `len` elements.
+    unsafe fn exp_unchecked(self, x: *mut f32, len: usize);
+
+    /// `s[r][j] = q[r]·k[j]` for a tile: `q` is `[rows][d]`, `k_panels` the
+    /// tile's keys packed in panels of `KEY_PANEL` (see [`scores`]), `s` has
+    /// row stride `s_stride`.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    fn scores(self, q: &[f32], d: usize, k_panels: &[f32], s: &mut [f32], s_stride: usize) {
+        assert!(d > 0);
+        let (rows, keys) = (q.len() / d, k_panels.len() / d);
+        assert!(rows * d == q.len() && rows % Self::ROWS == 0);
+        assert!(keys * d == k_panels.len() && keys % Self::KEY_PANEL == 0 && keys <= s_stride);
+        assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
+        // SAFETY: the sizes were checked above; `self` proves the CPU.
+        unsafe {
+            self.scores_unchecked(
+                q.as_ptr(),
+                rows,
+                d,
+                k_panels.as_ptr(),
+                keys,
+                s.as_mut_ptr(),
+                s_stride,
+            )
+        }
+    }
+
+    /// The online-softmax pass ([`softmax_rows`]) over the first `keys`
+    /// columns of the `max.len()` rows of `s`.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    fn softmax_rows(
+        self,
+        s: &mut [f32],
+        keys: usize,
+        s_stride: usize,
+        max: &mut [f32],
+        sum: &mut [f32],
+        alpha: &mut [f32],
+    ) {
+        let rows = max.len();
+        assert!(sum.len() == rows && alpha.len() == rows);
+        assert!(keys % Self::LANES == 0 && keys <= s_stride);
+        assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
+        // SAFETY: the sizes were checked above; `self` proves the CPU.
+        unsafe {
+            self.softmax_rows_unchecked(
+                s.as_mut_ptr(),
+                rows,
+                keys,
+                s_stride,
+                max.as_mut_ptr(),
+                sum.as_mut_ptr(),
+                alpha.as_mut_ptr(),
+            )
+        }
+    }
+
+    /// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` ([`accumulate_values`]) for
+    /// the `alpha.len()` rows and the `v.len() / value_width` keys.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    fn accumulate_values(
+        self,
+        p: &[f32],
+        p_stride: usize,
+        v: &[f32],
+        value_width: usize,
+        alpha: &[f32],
+        o: &mut [f32],
+    ) {
+        let rows = alpha.len();
+        assert!(value_width > 0 && value_width % Self::LANES == 0);
+        let keys = v.len() / value_width;
+        assert!(keys * value_width == v.len() && keys <= p_stride && rows % Self::ROWS == 0);
+        assert!(rows == 0 || p.len() >= (rows - 1) * p_stride + keys);
+        assert!(o.len() == rows * value_width);
+        // SAFETY: the sizes were checked above; `self` proves the CPU.
+        unsafe {
+            self.accumulate_values_unchecked(
+                p.as_ptr(),
+                rows,
+                keys,
+                p_stride,
+                v.as_ptr(),
+                value_width,
+                alpha.as_ptr(),
+                o.as_mut_ptr(),
+            )
+        }
+    }
+
+    /// `e^x` in place over `x`, with this set's [`exp`].
+    fn exp_in_place(self, x: &mut [f32]) {
+        let whole = x.len() - x.len() % Self::LANES;
+        let (body, tail) = x.split_at_mut(whole);
+        // SAFETY: `body` has `whole` elements, a multiple of LANES.
+        unsafe { self.exp_unchecked(body.as_mut_ptr(), whole) };
+        let mut padded = [0.0f32; 64];
+        padded[..tail.len()].copy_from_slice(tail);
+        // SAFETY: `padded` has 64 elements, a multiple of every LANES.
+        unsafe { self.exp_unchecked(padded.as_mut_ptr(), Self::LANES) };
+        let n = tail.len();
+        tail.copy_from_slice(&padded[..n]);
+    }
+}
+
+/// `e^x` in place over `len` values, `V::LANES` at a time.
+///
+/// # Safety
+/// V's instruction set is available; `x` has `len` elements, a multiple of
+/// `V::LANES`.
+#[inline(always)]
+pub(crate) unsafe fn exp_in_place<V: Vector>(x: *mut f32, len: usize) {
+    // SAFETY: offsets stay below `len`.
+    unsafe {
+        for i in (0..len).step_by(V::LANES) {
+            exp(V::load(x.add(i))).store(x.add(i));
+        }
+    }
+}
+
+/// Implements [`Kernel`] for a kernel type: each method calls the generic
+/// kernel instantiated with the set's vector type and tile sizes inside a
+/// function compiled for the set's target features.
+///
+/// `$kernel`: the type; `$set`: its [`KernelSet`]; `$vector`: its [`Vector`];
+/// `$rows`: rows per register tile; `$score_vectors` / `$value_vectors`:
+/// vectors per register tile row in Q·Kᵀ / P·V; then the attributes of the
+/// instantiations (`#[target_feature(enable = "…")]`).
+macro_rules! impl_kernel {
+    (
+        $kernel:ty, $set:expr, $vector:ty,
+        rows: $rows:literal, score_vectors: $score_vectors:literal, value_vectors: $value_vectors:literal,
+        $(#[$feature:meta])*
+    ) => {
+        impl $crate::simd::kernels::Kernel for $kernel {
+            const SET: $crate::simd::KernelSet = $set;
+            const ROWS: usize = $rows;
+            const KEY_PANEL: usize = $score_vectors * <$vector as $crate::simd::vector::Vector>::LANES;
+            const LANES: usize = <$vector as $crate::simd::vector::Vector>::LANES;
+
+            unsafe fn scores_unchecked(
+                self, q: *const f32, rows: usize, d: usize, k_panels: *const f32, keys: usize, s: *mut f32, s_stride: usize,
+            ) {
+                $(#[$feature])*
+                unsafe fn instance(q: *const f32, rows: usize, d: usize, k_panels: *const f32, keys: usize, s: *mut f32, s_stride: usize) {
+                    // SAFETY: forwarded contract.
+                    unsafe { $crate::simd::kernels::scores::<$vector, $rows, $score_vectors>(q, rows, d, k_panels, keys, s, s_stride) }
+                }
+                // SAFETY: `self` exists only on a CPU with the set's features
+                // (its constructor checked); the caller upholds the sizes.
+                unsafe { instance(q, rows, d, k_panels, keys, s, s_stride) }
+            }
+
+            unsafe fn softmax_rows_unchecked(
+                self, s: *mut f32, rows: usize, keys: usize, s_stride: usize, max: *mut f32, sum: *mut f32, alpha: *mut f32,
+            ) {
+                $(#[$feature])*
+                unsafe fn instance(s: *mut f32, rows: usize, keys: usize, s_stride: usize, max: *mut f32, sum: *mut f32, alpha: *mut f32) {
+                    // SAFETY: forwarded contract.
+                    unsafe { $crate::simd::kernels::softmax_rows::<$vector>(s, rows, keys, s_stride, max, sum, alpha) }
+                }
+                // SAFETY: as in `scores_unchecked`.
+                unsafe { instance(s, rows, keys, s_stride, max, sum, alpha) }
+            }
+
+            unsafe fn accumulate_values_unchecked(
+                self, p: *const f32, rows: usize, keys: usize, p_stride: usize, v: *const f32, value_width: usize, alpha: *const f32, o: *mut f32,
+            ) {
+                $(#[$feature])*
+                unsafe fn instance(p: *const f32, rows: usize, keys: usize, p_stride: usize, v: *const f32, value_width: usize, alpha: *const f32, o: *mut f32) {
+                    // SAFETY: forwarded contract.
+                    unsafe { $crate::simd::kernels::accumulate_values::<$vector, $rows, $value_vectors>(p, rows, keys, p_stride, v, value_width, alpha, o) }
+                }
+                // SAFETY: as in `scores_unchecked`.
+                unsafe { instance(p, rows, keys, p_stride, v, value_width, alpha, o) }
+            }
+
+            unsafe fn exp_unchecked(self, x: *mut f32, len: usize) {
+                $(#[$feature])*
+                unsafe fn instance(x: *mut f32, len: usize) {
+                    // SAFETY: forwarded contract.
+                    unsafe { $crate::simd::kernels::exp_in_place::<$vector>(x, len) }
+                }
+                // SAFETY: as in `scores_unchecked`.
+                unsafe { instance(x, len) }
+            }
+        }
+    };
+}
+pub(crate) use impl_kernel;

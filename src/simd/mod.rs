@@ -1,0 +1,206 @@
+//! Hand-vectorized `f32` kernels for the fused attention path, and the
+//! run-time choice of which instruction set runs them.
+//!
+//! The kernels are written once, in [`kernels`], generic over a small
+//! [`Vector`] trait (the memchr pattern). Each instruction set has a file
+//! that implements [`Vector`] for its register type and instantiates the
+//! generic kernels inside `#[target_feature]` functions with its own register
+//! tile sizes:
+//!
+//! | file | kernel set | vector | rows × key lanes (Q·Kᵀ) | rows × value lanes (P·V) |
+//! |---|---|---|---|---|
+//! | `scalar.rs` | [`KernelSet::Scalar`] | `f32` | 6 × 4 | 6 × 4 |
+//! | `avx2.rs` | [`KernelSet::Avx2`] | `__m256` | 6 × 16 | 6 × 16 |
+//! | `avx512.rs` | [`KernelSet::Avx512`] | `__m512` | 6 × 32 | 6 × 64 |
+//! | `neon.rs` | [`KernelSet::Neon`] | `float32x4_t` | 6 × 16 | 6 × 16 |
+//!
+//! A kernel type (say `Avx512`) can only be built by its `new()`, which
+//! checks the CPU: holding one is the proof that its `#[target_feature]`
+//! functions may run. All `unsafe` of the crate lives in this module.
+//!
+//! The choice is made once and cached: the best set this CPU has, unless the
+//! `SDPA_KERNEL` environment variable (`scalar`, `avx2`, `avx512`, `neon`)
+//! forces one. [`available_kernel_sets`] lists what this CPU can run, so
+//! tests can check each against the reference.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::OnceLock;
+
+use crate::error::{AttentionError, ErrorKind};
+
+mod kernels;
+mod scalar;
+mod vector;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
+pub(crate) use kernels::Kernel;
+
+/// One set of hand-vectorized kernels, named by the instruction set it needs.
+///
+/// ```
+/// let sets = sdpa::simd::available_kernel_sets();
+/// assert!(sets.contains(&sdpa::simd::KernelSet::Scalar));
+/// println!("this CPU runs {sets:?}, and calls use {}", sdpa::simd::selected_kernel_set()?);
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum KernelSet {
+    /// Portable Rust, one lane at a time; always available.
+    Scalar,
+    /// x86-64 AVX2 with FMA (8 lanes).
+    Avx2,
+    /// x86-64 AVX-512F (16 lanes).
+    Avx512,
+    /// aarch64 NEON (4 lanes).
+    Neon,
+}
+
+impl KernelSet {
+    /// Every kernel set the crate has, on any CPU.
+    pub const ALL: [KernelSet; 4] = [
+        KernelSet::Scalar,
+        KernelSet::Avx2,
+        KernelSet::Avx512,
+        KernelSet::Neon,
+    ];
+
+    /// The name `SDPA_KERNEL` takes for this set.
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelSet::Scalar => "scalar",
+            KernelSet::Avx2 => "avx2",
+            KernelSet::Avx512 => "avx512",
+            KernelSet::Neon => "neon",
+        }
+    }
+
+    /// Whether this CPU can run the set.
+    pub fn is_available(self) -> bool {
+        match self {
+            KernelSet::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            KernelSet::Avx2 => avx2::Avx2::new().is_some(),
+            #[cfg(target_arch = "x86_64")]
+            KernelSet::Avx512 => avx512::Avx512::new().is_some(),
+            #[cfg(target_arch = "aarch64")]
+            KernelSet::Neon => neon::Neon::new().is_some(),
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for KernelSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for KernelSet {
+    type Err = AttentionError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        KernelSet::ALL
+            .into_iter()
+            .find(|set| set.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| {
+                AttentionError::new(
+                    ErrorKind::UnsupportedKernel,
+                    format!("unknown kernel set {s:?}: expected one of scalar, avx2, avx512, neon"),
+                )
+            })
+    }
+}
+
+/// The kernel sets this CPU can run, slowest first.
+pub fn available_kernel_sets() -> Vec<KernelSet> {
+    KernelSet::ALL
+        .into_iter()
+        .filter(|set| set.is_available())
+        .collect()
+}
+
+/// The kernel set `f32` attention calls use: `SDPA_KERNEL` if it is set,
+/// else the fastest this CPU has. Decided at the first call and cached.
+///
+/// # Errors
+/// When `SDPA_KERNEL` names an unknown set, or one this CPU lacks.
+pub fn selected_kernel_set() -> Result<KernelSet, AttentionError> {
+    static SELECTED: OnceLock<Result<KernelSet, AttentionError>> = OnceLock::new();
+    SELECTED
+        .get_or_init(|| match std::env::var("SDPA_KERNEL") {
+            Ok(name) if !name.trim().is_empty() => {
+                let set: KernelSet = name.parse()?;
+                check_available(set)
+            }
+            _ => Ok(*available_kernel_sets()
+                .last()
+                .expect("the scalar set is always available")),
+        })
+        .clone()
+}
+
+/// `Ok(set)` when this CPU can run `set`.
+pub(crate) fn check_available(set: KernelSet) -> Result<KernelSet, AttentionError> {
+    if set.is_available() {
+        Ok(set)
+    } else {
+        Err(unavailable(set))
+    }
+}
+
+fn unavailable(set: KernelSet) -> AttentionError {
+    AttentionError::new(
+        ErrorKind::UnsupportedKernel,
+        format!(
+            "kernel set {set} is not supported by this CPU (available: {:?})",
+            available_kernel_sets()
+        ),
+    )
+}
+
+/// Code generic over a kernel, run with the kernel set chosen at run time.
+pub(crate) trait WithKernel {
+    /// What the code returns.
+    type Output;
+    /// Runs the code with kernel `kernel`.
+    fn run<K: Kernel>(self, kernel: K) -> Self::Output;
+}
+
+/// Runs `job` with the kernels of `set`.
+///
+/// # Errors
+/// When this CPU cannot run `set`.
+pub(crate) fn with_kernel<J: WithKernel>(
+    set: KernelSet,
+    job: J,
+) -> Result<J::Output, AttentionError> {
+    match set {
+        KernelSet::Scalar => Ok(job.run(scalar::Scalar)),
+        #[cfg(target_arch = "x86_64")]
+        KernelSet::Avx2 => match avx2::Avx2::new() {
+            Some(kernel) => Ok(job.run(kernel)),
+            None => Err(unavailable(set)),
+        },
+        #[cfg(target_arch = "x86_64")]
+        KernelSet::Avx512 => match avx512::Avx512::new() {
+            Some(kernel) => Ok(job.run(kernel)),
+            None => Err(unavailable(set)),
+        },
+        #[cfg(target_arch = "aarch64")]
+        KernelSet::Neon => match neon::Neon::new() {
+            Some(kernel) => Ok(job.run(kernel)),
+            None => Err(unavailable(set)),
+        },
+        #[allow(unreachable_patterns)]
+        _ => Err(unavailable(set)),
+    }
+}

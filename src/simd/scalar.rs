@@ -1,0 +1,70 @@
+//! The portable kernel set: one `f32` lane at a time, no target features.
+//! Always built; the fallback on any CPU and the baseline in tests.
+
+use super::KernelSet;
+use super::kernels::impl_kernel;
+use super::vector::Vector;
+
+/// The portable kernels. Every CPU can run them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Scalar;
+
+impl Vector for f32 {
+    const LANES: usize = 1;
+
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    unsafe fn load(ptr: *const f32) -> Self {
+        // SAFETY: the caller guarantees one readable f32 at `ptr`.
+        unsafe { ptr.read_unaligned() }
+    }
+    #[inline(always)]
+    unsafe fn store(self, ptr: *mut f32) {
+        // SAFETY: the caller guarantees one writable f32 at `ptr`.
+        unsafe { ptr.write_unaligned(self) }
+    }
+    #[inline(always)]
+    unsafe fn add(self, other: Self) -> Self {
+        self + other
+    }
+    #[inline(always)]
+    unsafe fn sub(self, other: Self) -> Self {
+        self - other
+    }
+    #[inline(always)]
+    unsafe fn mul(self, other: Self) -> Self {
+        self * other
+    }
+    #[inline(always)]
+    unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+        // Two roundings: a fused `f32::mul_add` is a slow library call on
+        // CPUs without FMA, and the algorithms do not need it.
+        self * b + c
+    }
+    #[inline(always)]
+    unsafe fn max(self, other: Self) -> Self {
+        if self > other { self } else { other }
+    }
+    #[inline(always)]
+    unsafe fn zero_where_less(self, threshold: Self, value: Self) -> Self {
+        if self < threshold { 0.0 } else { value }
+    }
+    #[inline(always)]
+    unsafe fn exp2_int(self) -> Self {
+        // A NaN `self` casts to 0; the NaN survives in the other factor.
+        f32::from_bits(((self as i32 + 127) as u32) << 23)
+    }
+    #[inline(always)]
+    unsafe fn reduce_max(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    unsafe fn reduce_sum(self) -> f32 {
+        self
+    }
+}
+
+impl_kernel!(Scalar, KernelSet::Scalar, f32, rows: 6, score_vectors: 4, value_vectors: 4,);

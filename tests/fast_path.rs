@@ -1,0 +1,413 @@
+//! Every kernel set this CPU has, against the f64 reference (`sdpa::core`),
+//! on odd shapes, edges, every option combination and misaligned views.
+
+use ndarray::{Array4, ArrayView4, Axis, s};
+use sdpa::simd::{KernelSet, available_kernel_sets};
+use sdpa::{AttentionOptions, CausalAlignment};
+
+/// Deterministic uniform numbers in [-1, 1) (SplitMix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+    }
+
+    fn array(&mut self, dim: (usize, usize, usize, usize), magnitude: f64) -> Array4<f64> {
+        Array4::from_shape_simple_fn(dim, || self.next() * magnitude)
+    }
+}
+
+/// Which options a case uses.
+#[derive(Clone, Copy, Debug, Default)]
+struct Case {
+    causal: Option<CausalAlignment>,
+    keep_mask: bool,
+    bias: bool,
+    key_lengths: bool,
+    scale: Option<f64>,
+}
+
+const HEAD_DIMS: [usize; 13] = [1, 3, 7, 8, 15, 16, 17, 31, 33, 64, 65, 127, 128];
+
+fn all_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for causal in [
+        None,
+        Some(CausalAlignment::BottomRight),
+        Some(CausalAlignment::TopLeft),
+    ] {
+        for flags in 0..8u8 {
+            cases.push(Case {
+                causal,
+                keep_mask: flags & 1 != 0,
+                bias: flags & 2 != 0,
+                key_lengths: flags & 4 != 0,
+                scale: None,
+            });
+        }
+    }
+    cases.push(Case {
+        scale: Some(0.3),
+        ..Case::default()
+    });
+    cases
+}
+
+/// Inputs for one call, in f64; `f32` copies are made from them.
+struct Inputs {
+    q: Array4<f64>,
+    k: Array4<f64>,
+    v: Array4<f64>,
+    keep_mask: Array4<bool>,
+    bias: Array4<f64>,
+    key_lengths: Vec<usize>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn inputs(
+    rng: &mut Rng,
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    len_q: usize,
+    len_kv: usize,
+    d_k: usize,
+    d_v: usize,
+    magnitude: f64,
+) -> Inputs {
+    let q = rng.array((batch, heads, len_q, d_k), magnitude);
+    let k = rng.array((batch, kv_heads, len_kv, d_k), magnitude);
+    let v = rng.array((batch, kv_heads, len_kv, d_v), 1.0);
+    // Broadcast over heads; about one key in five hidden, some rows fully.
+    let keep_mask = Array4::from_shape_simple_fn((batch, 1, len_q, len_kv), || rng.next() > -0.6);
+    let bias = rng.array((1, heads, len_q, len_kv), 2.0);
+    let key_lengths = (0..batch)
+        .map(|b| (len_kv * (b + 2)) / (batch + 2))
+        .collect();
+    Inputs {
+        q,
+        k,
+        v,
+        keep_mask,
+        bias,
+        key_lengths,
+    }
+}
+
+fn options<'a, F: Copy>(
+    case: &Case,
+    keep_mask: &'a Array4<bool>,
+    bias: &'a Array4<F>,
+    key_lengths: &'a [usize],
+    scale: Option<F>,
+) -> AttentionOptions<'a, F> {
+    let mut opts = AttentionOptions::new();
+    if let Some(alignment) = case.causal {
+        opts = opts.causal_aligned(alignment);
+    }
+    if case.keep_mask {
+        opts = opts.keep_mask(keep_mask.view());
+    }
+    if case.bias {
+        opts = opts.bias(bias.view());
+    }
+    if case.key_lengths {
+        opts = opts.key_lengths(key_lengths);
+    }
+    if let Some(scale) = scale {
+        opts = opts.scale(scale);
+    }
+    opts
+}
+
+fn to_f32(x: &Array4<f64>) -> Array4<f32> {
+    x.mapv(|x| x as f32)
+}
+
+/// Runs one case on `set` with f32 views `q`, `k`, `v` (of any layout) and
+/// compares with the f64 reference. `tolerance` is absolute, on outputs of
+/// magnitude ≤ 1.
+fn check(
+    set: KernelSet,
+    case: &Case,
+    inputs: &Inputs,
+    views: (ArrayView4<f32>, ArrayView4<f32>, ArrayView4<f32>),
+    tolerance: f64,
+) {
+    let bias32 = to_f32(&inputs.bias);
+    let reference_opts = options(
+        case,
+        &inputs.keep_mask,
+        &inputs.bias,
+        &inputs.key_lengths,
+        case.scale,
+    );
+    let expected = sdpa::core::scaled_dot_product_attention(
+        inputs.q.view(),
+        inputs.k.view(),
+        inputs.v.view(),
+        &reference_opts,
+    )
+    .expect("reference call");
+    let fast_opts = options(
+        case,
+        &inputs.keep_mask,
+        &bias32,
+        &inputs.key_lengths,
+        case.scale.map(|s| s as f32),
+    )
+    .kernel_set(set);
+    let (q, k, v) = views;
+    let got = sdpa::scaled_dot_product_attention(q, k, v, &fast_opts).expect("fast call");
+    assert_eq!(got.shape(), expected.shape());
+    for (index, (&g, &e)) in got
+        .indexed_iter()
+        .map(|(i, g)| (i, g))
+        .zip(expected.iter())
+        .map(|((i, g), e)| (i, (g, e)))
+    {
+        let error = (g as f64 - e).abs();
+        assert!(
+            error <= tolerance,
+            "{set}: {case:?}, q {:?} k {:?} v {:?}: out{index:?} = {g}, reference {e}, error {error:e} > {tolerance:e}",
+            inputs.q.shape(),
+            inputs.k.shape(),
+            inputs.v.shape()
+        );
+    }
+}
+
+fn check_contiguous(set: KernelSet, case: &Case, inputs: &Inputs, tolerance: f64) {
+    let (q, k, v) = (to_f32(&inputs.q), to_f32(&inputs.k), to_f32(&inputs.v));
+    check(set, case, inputs, (q.view(), k.view(), v.view()), tolerance);
+}
+
+#[test]
+fn every_kernel_set_matches_the_reference_on_all_lengths_and_head_dims() {
+    let mut rng = Rng(1);
+    let cases = all_cases();
+    for set in available_kernel_sets() {
+        for len in 0..=67usize {
+            // Off-diagonal lengths too: len_q <, =, > len_kv.
+            let len_kv = [len, (len * 5 + 3) % 68, len / 3][len % 3];
+            let d_k = HEAD_DIMS[len % HEAD_DIMS.len()];
+            let d_v = HEAD_DIMS[(len * 7 + 2) % HEAD_DIMS.len()];
+            let inputs = inputs(&mut rng, 2, 4, 2, len, len_kv, d_k, d_v, 1.0);
+            let case = &cases[len % cases.len()];
+            check_contiguous(set, case, &inputs, 2e-6);
+        }
+    }
+}
+
+#[test]
+fn every_kernel_set_matches_the_reference_for_every_option_and_head_dim() {
+    let mut rng = Rng(2);
+    for set in available_kernel_sets() {
+        for (n, case) in all_cases().iter().enumerate() {
+            for (m, &d) in HEAD_DIMS.iter().enumerate() {
+                let (len_q, len_kv) =
+                    [(13, 13), (5, 37), (70, 41), (1, 130), (97, 97)][(n + m) % 5];
+                let inputs = inputs(
+                    &mut rng,
+                    2,
+                    2,
+                    1,
+                    len_q,
+                    len_kv,
+                    d,
+                    HEAD_DIMS[(m + n) % 13],
+                    1.0,
+                );
+                check_contiguous(set, case, &inputs, 2e-6);
+            }
+        }
+    }
+}
+
+#[test]
+fn long_sequences_cross_many_tiles() {
+    let mut rng = Rng(3);
+    for set in available_kernel_sets() {
+        for case in [
+            Case::default(),
+            Case {
+                causal: Some(CausalAlignment::BottomRight),
+                ..Case::default()
+            },
+        ] {
+            let inputs = inputs(&mut rng, 1, 2, 2, 300, 333, 64, 64, 1.0);
+            check_contiguous(set, &case, &inputs, 2e-6);
+        }
+    }
+}
+
+#[test]
+fn large_scores_stay_accurate() {
+    // Scores up to about ±1e4: the exponent range is exercised, and the
+    // error grows with the score's magnitude only through f32 rounding of
+    // the scores themselves.
+    let mut rng = Rng(4);
+    for set in available_kernel_sets() {
+        for case in [
+            Case::default(),
+            Case {
+                causal: Some(CausalAlignment::TopLeft),
+                bias: true,
+                ..Case::default()
+            },
+        ] {
+            let inputs = inputs(&mut rng, 1, 2, 1, 40, 50, 16, 8, 25.0);
+            check_contiguous(set, &case, &inputs, 5e-3);
+        }
+    }
+}
+
+#[test]
+fn misaligned_and_strided_views_match() {
+    let mut rng = Rng(5);
+    for set in available_kernel_sets() {
+        for pad in 0..4 {
+            let inputs = inputs(&mut rng, 2, 2, 2, 19, 23, 17, 9, 1.0);
+            // Start every view `pad` elements into a bigger buffer, so rows
+            // are misaligned and strides are not the contiguous ones.
+            let embed = |x: &Array4<f64>| {
+                let (b, h, l, d) = x.dim();
+                let mut big = Array4::<f32>::zeros((b, h, l, d + pad + 3));
+                big.slice_mut(s![.., .., .., pad..pad + d])
+                    .assign(&to_f32(x));
+                big
+            };
+            let (q, k, v) = (embed(&inputs.q), embed(&inputs.k), embed(&inputs.v));
+            let (dk, dv) = (inputs.q.dim().3, inputs.v.dim().3);
+            let case = Case {
+                causal: Some(CausalAlignment::BottomRight),
+                ..Case::default()
+            };
+            check(
+                set,
+                &case,
+                &inputs,
+                (
+                    q.slice(s![.., .., .., pad..pad + dk]),
+                    k.slice(s![.., .., .., pad..pad + dk]),
+                    v.slice(s![.., .., .., pad..pad + dv]),
+                ),
+                2e-6,
+            );
+            // Transposed memory order: heads and rows swapped in storage.
+            let q_t = to_f32(&inputs.q)
+                .permuted_axes([0, 2, 1, 3])
+                .as_standard_layout()
+                .to_owned();
+            let q_t = q_t.view().permuted_axes([0, 2, 1, 3]);
+            let (k32, v32) = (to_f32(&inputs.k), to_f32(&inputs.v));
+            check(set, &case, &inputs, (q_t, k32.view(), v32.view()), 2e-6);
+        }
+    }
+}
+
+#[test]
+fn masked_nan_and_infinity_never_reach_the_output() {
+    for set in available_kernel_sets() {
+        let mut rng = Rng(6);
+        let mut inputs = inputs(&mut rng, 1, 1, 1, 70, 70, 8, 8, 1.0);
+        // Causal: key j is hidden from rows i < j. Poison the last keys.
+        inputs.k.slice_mut(s![.., .., 69, ..]).fill(f64::NAN);
+        inputs.v.slice_mut(s![.., .., 69, ..]).fill(f64::INFINITY);
+        inputs.v.slice_mut(s![.., .., 68, 0]).fill(f64::NAN);
+        let got = sdpa::scaled_dot_product_attention(
+            to_f32(&inputs.q).view(),
+            to_f32(&inputs.k).view(),
+            to_f32(&inputs.v).view(),
+            &AttentionOptions::new().causal().kernel_set(set),
+        )
+        .unwrap();
+        // Rows 0..=67 see neither poisoned key.
+        for i in 0..68 {
+            assert!(
+                got.slice(s![0, 0, i, ..]).iter().all(|x| x.is_finite()),
+                "{set}: row {i} leaked"
+            );
+        }
+        // And they equal the reference.
+        let expected = sdpa::core::scaled_dot_product_attention(
+            inputs.q.view(),
+            inputs.k.view(),
+            inputs.v.view(),
+            &AttentionOptions::new().causal(),
+        )
+        .unwrap();
+        for i in 0..68 {
+            for c in 0..8 {
+                let (g, e) = (got[[0, 0, i, c]] as f64, expected[[0, 0, i, c]]);
+                assert!((g - e).abs() < 2e-6, "{set}: row {i}: {g} vs {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_forced_kernel_set_the_cpu_lacks_is_an_error() {
+    let x = Array4::<f32>::zeros((1, 1, 2, 2));
+    for set in KernelSet::ALL {
+        let result = sdpa::scaled_dot_product_attention(
+            x.view(),
+            x.view(),
+            x.view(),
+            &AttentionOptions::new().kernel_set(set),
+        );
+        assert_eq!(
+            result.is_ok(),
+            available_kernel_sets().contains(&set),
+            "{set}"
+        );
+    }
+}
+
+#[test]
+fn sdpa_kernel_forces_the_selected_set() {
+    // CI runs the suite once per kernel set with SDPA_KERNEL set; this test
+    // fails if the forced set is not the one that runs.
+    match std::env::var("SDPA_KERNEL") {
+        Ok(name) if !name.is_empty() => {
+            let forced: KernelSet = name.parse().expect("SDPA_KERNEL names a kernel set");
+            assert_eq!(
+                sdpa::simd::selected_kernel_set().expect("the forced set is available"),
+                forced
+            );
+        }
+        _ => assert_eq!(
+            sdpa::simd::selected_kernel_set().unwrap(),
+            *available_kernel_sets().last().unwrap()
+        ),
+    }
+}
+
+#[test]
+fn rows_with_no_visible_key_are_zero() {
+    for set in available_kernel_sets() {
+        let x = Array4::<f32>::ones((1, 1, 5, 4));
+        // Bottom-right causal with len_q > len_kv: the first rows see nothing.
+        let k = x.slice(s![.., .., ..3, ..]);
+        let out = sdpa::scaled_dot_product_attention(
+            x.view(),
+            k,
+            k,
+            &AttentionOptions::new().causal().kernel_set(set),
+        )
+        .unwrap();
+        assert!(out.index_axis(Axis(2), 0).iter().all(|&y| y == 0.0));
+        assert!(out.index_axis(Axis(2), 1).iter().all(|&y| y == 0.0));
+        assert!(
+            out.index_axis(Axis(2), 2)
+                .iter()
+                .all(|&y| (y - 1.0).abs() < 1e-6)
+        );
+    }
+}
