@@ -413,13 +413,22 @@ fn strided_views_equal_contiguous<F: Element>(dims: Dims, spec: OptionSpec, seed
         .assign(&inputs.k);
     let k = k_stored.slice(s![.., .., 1..;2, 1..;2]);
     // v stored reversed along len_kv and d_v, viewed reversed back.
-    let v_stored = inputs.v.slice(s![.., .., ..;-1, ..;-1]).to_owned();
+    let v_stored = inputs
+        .v
+        .slice(s![.., .., ..;-1, ..;-1])
+        .as_standard_layout()
+        .into_owned();
     let v = v_stored.slice(s![.., .., ..;-1, ..;-1]);
-    // Mask and bias reversed along len_q and stored transposed.
-    let mask_stored = extras
-        .keep_mask
-        .as_ref()
-        .map(|m| m.slice(s![.., .., ..;-1, ..]).to_owned());
+    prop_assert!(
+        v.strides()[2] < 0 || lkv <= 1 || v.is_empty(),
+        "v is viewed reversed"
+    );
+    // The mask stored reversed along len_q, the bias stored transposed.
+    let mask_stored = extras.keep_mask.as_ref().map(|m| {
+        m.slice(s![.., .., ..;-1, ..])
+            .as_standard_layout()
+            .into_owned()
+    });
     let bias_stored = extras.bias.as_ref().map(|m| {
         m.view()
             .permuted_axes([3, 2, 1, 0])
