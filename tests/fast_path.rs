@@ -166,12 +166,7 @@ fn check(
     let (q, k, v) = views;
     let got = sdpa::scaled_dot_product_attention(q, k, v, &fast_opts).expect("fast call");
     assert_eq!(got.shape(), expected.shape());
-    for (index, (&g, &e)) in got
-        .indexed_iter()
-        .map(|(i, g)| (i, g))
-        .zip(expected.iter())
-        .map(|((i, g), e)| (i, (g, e)))
-    {
+    for ((index, &g), &e) in got.indexed_iter().zip(expected.iter()) {
         let error = (g as f64 - e).abs();
         assert!(
             error <= tolerance,

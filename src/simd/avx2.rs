@@ -6,7 +6,6 @@
 
 use std::arch::x86_64::*;
 
-use super::KernelSet;
 use super::kernels::impl_kernel;
 use super::vector::Vector;
 
@@ -102,6 +101,6 @@ impl Vector for __m256 {
 }
 
 impl_kernel!(
-    Avx2, KernelSet::Avx2, __m256, rows: 6, score_vectors: 2, value_vectors: 2,
+    Avx2, crate::simd::KernelSet::Avx2, __m256, rows: 6, score_vectors: 2, value_vectors: 2,
     #[target_feature(enable = "avx2,fma")]
 );

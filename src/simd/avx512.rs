@@ -6,7 +6,6 @@
 
 use std::arch::x86_64::*;
 
-use super::KernelSet;
 use super::kernels::impl_kernel;
 use super::vector::Vector;
 
@@ -88,6 +87,6 @@ impl Vector for __m512 {
 }
 
 impl_kernel!(
-    Avx512, KernelSet::Avx512, __m512, rows: 6, score_vectors: 2, value_vectors: 4,
+    Avx512, crate::simd::KernelSet::Avx512, __m512, rows: 6, score_vectors: 2, value_vectors: 4,
     #[target_feature(enable = "avx512f")]
 );

@@ -204,3 +204,6 @@ pub(crate) fn with_kernel<J: WithKernel>(
         _ => Err(unavailable(set)),
     }
 }
+
+#[cfg(test)]
+mod tests;

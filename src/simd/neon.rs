@@ -5,7 +5,6 @@
 
 use std::arch::aarch64::*;
 
-use super::KernelSet;
 use super::kernels::impl_kernel;
 use super::vector::Vector;
 
@@ -87,6 +86,6 @@ impl Vector for float32x4_t {
 }
 
 impl_kernel!(
-    Neon, KernelSet::Neon, float32x4_t, rows: 6, score_vectors: 4, value_vectors: 4,
+    Neon, crate::simd::KernelSet::Neon, float32x4_t, rows: 6, score_vectors: 4, value_vectors: 4,
     #[target_feature(enable = "neon")]
 );

@@ -1,7 +1,6 @@
 //! The portable kernel set: one `f32` lane at a time, no target features.
 //! Always built; the fallback on any CPU and the baseline in tests.
 
-use super::KernelSet;
 use super::kernels::impl_kernel;
 use super::vector::Vector;
 
@@ -40,9 +39,10 @@ impl Vector for f32 {
     }
     #[inline(always)]
     unsafe fn mul_add(self, b: Self, c: Self) -> Self {
-        // Two roundings: a fused `f32::mul_add` is a slow library call on
-        // CPUs without FMA, and the algorithms do not need it.
-        self * b + c
+        // In f64 the product of two f32 is exact, so this rounds like a
+        // fused multiply-add (but for rare double roundings), without the
+        // slow library call `f32::mul_add` is on CPUs that lack FMA.
+        (self as f64 * b as f64 + c as f64) as f32
     }
     #[inline(always)]
     unsafe fn max(self, other: Self) -> Self {
@@ -67,4 +67,4 @@ impl Vector for f32 {
     }
 }
 
-impl_kernel!(Scalar, KernelSet::Scalar, f32, rows: 6, score_vectors: 4, value_vectors: 4,);
+impl_kernel!(Scalar, crate::simd::KernelSet::Scalar, f32, rows: 6, score_vectors: 4, value_vectors: 4,);

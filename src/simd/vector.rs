@@ -24,7 +24,8 @@ pub(crate) trait Vector: Copy {
     unsafe fn sub(self, other: Self) -> Self;
     /// Lane-wise `self * other`.
     unsafe fn mul(self, other: Self) -> Self;
-    /// Lane-wise `self * b + c`, rounded once.
+    /// Lane-wise `self * b + c`, rounded once (the scalar set computes it
+    /// in f64, which rounds the same but for rare double roundings).
     unsafe fn mul_add(self, b: Self, c: Self) -> Self;
     /// Lane-wise `if self > other { self } else { other }`: a NaN in `other`
     /// is kept, as x86's `maxps` does.

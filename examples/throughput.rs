@@ -1,0 +1,88 @@
+//! Prints `sdpa`'s attention throughput in GFLOP/s on the fast-path grid,
+//! in the same format as the peers' scripts, one column per kernel set.
+//!
+//! ```text
+//! cargo run --release --example throughput -- [N ...]
+//! H=8 D=64 B=1 cargo run --release --example throughput -- 256 1024 4096
+//! ```
+//!
+//! FLOPs counted: `4·B·H·N²·d`, half of that for causal. Each cell is the
+//! median of repeated calls (at least 5, at least 0.3 s). The thread count
+//! is rayon's (`RAYON_NUM_THREADS`).
+
+use std::time::{Duration, Instant};
+
+use ndarray::Array4;
+use sdpa::AttentionOptions;
+use sdpa::simd::{KernelSet, available_kernel_sets};
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Median seconds of `f` over at least 5 runs and at least 0.3 s.
+fn median_seconds(mut f: impl FnMut()) -> f64 {
+    f();
+    let mut times = Vec::new();
+    let start = Instant::now();
+    while times.len() < 5 || (start.elapsed() < Duration::from_millis(300) && times.len() < 200) {
+        let t = Instant::now();
+        f();
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+fn main() {
+    let sizes: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let sizes = if sizes.is_empty() {
+        vec![256, 1024, 4096]
+    } else {
+        sizes
+    };
+    let (batch, heads, d) = (env_or("B", 1), env_or("H", 8), env_or("D", 64));
+    let sets: Vec<KernelSet> = available_kernel_sets()
+        .into_iter()
+        .filter(|&set| set != KernelSet::Scalar || std::env::var("SCALAR").is_ok())
+        .collect();
+    println!("sdpa B={batch} H={heads} d={d} f32; GFLOP/s (median)");
+    print!("{:>6} {:>6}", "N", "causal");
+    for set in &sets {
+        print!(" {:>12}", format!("sdpa_{set}"));
+    }
+    println!();
+    for &n in &sizes {
+        let q = Array4::<f32>::from_shape_fn((batch, heads, n, d), |(b, h, i, c)| {
+            (((b * 31 + h * 17 + i * 7 + c * 3) % 23) as f32 - 11.0) / 11.0
+        });
+        let (k, v) = (q.mapv(|x| -x * 0.5), q.mapv(|x| x * 0.25 + 0.1));
+        let mut out = Array4::<f32>::zeros((batch, heads, n, d));
+        for causal in [false, true] {
+            let flops = 4.0 * (batch * heads * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };
+            print!("{n:>6} {:>6}", if causal { "yes" } else { "no" });
+            for &set in &sets {
+                let opts = AttentionOptions::new().kernel_set(set);
+                let opts = if causal { opts.causal() } else { opts };
+                let seconds = median_seconds(|| {
+                    sdpa::scaled_dot_product_attention_into(
+                        q.view(),
+                        k.view(),
+                        v.view(),
+                        &opts,
+                        out.view_mut(),
+                    )
+                    .expect("valid shapes");
+                });
+                print!(" {:>12.1}", flops / seconds / 1e9);
+            }
+            println!();
+        }
+    }
+}

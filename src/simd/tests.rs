@@ -1,0 +1,261 @@
+//! Every kernel set this CPU has, against plain scalar arithmetic in f64.
+
+use super::kernels::EXP_MIN_INPUT;
+use super::{Kernel, KernelSet, WithKernel, available_kernel_sets, with_kernel};
+
+/// Runs `job` once per available kernel set.
+fn for_each_kernel_set<J: WithKernel + Clone>(job: J) -> Vec<(KernelSet, J::Output)> {
+    available_kernel_sets()
+        .into_iter()
+        .map(|set| (set, with_kernel(set, job.clone()).expect("available set")))
+        .collect()
+}
+
+/// The error of `got` against the exact `expected`, in units of the last
+/// place of `expected` rounded to `f32`.
+fn ulp_error(got: f32, expected: f64) -> f64 {
+    let rounded = expected as f32;
+    let ulp = (f32::from_bits(rounded.to_bits() + 1) - rounded) as f64;
+    (got as f64 - expected).abs() / ulp
+}
+
+/// `e^x` over the inputs, on one kernel set; returns (set, outputs).
+#[derive(Clone)]
+struct Exp(Vec<f32>);
+
+impl WithKernel for Exp {
+    type Output = (KernelSet, Vec<f32>);
+    fn run<K: Kernel>(mut self, kernel: K) -> Self::Output {
+        kernel.exp_in_place(&mut self.0);
+        (K::SET, self.0)
+    }
+}
+
+/// The largest ulp error of `exp` over the `f32`s whose bits run from
+/// `first` to `last` (negative numbers: −0 up to larger magnitudes), every
+/// `step`-th one.
+fn max_exp_ulp_error(set: KernelSet, first: u32, last: u32, step: usize) -> (f64, f32) {
+    let mut worst = (0.0, 0.0);
+    let inputs: Vec<u32> = (first..=last).step_by(step).collect();
+    for chunk in inputs.chunks(1 << 16) {
+        let x: Vec<f32> = chunk.iter().map(|&bits| f32::from_bits(bits)).collect();
+        let (ran, y) = with_kernel(set, Exp(x.clone())).unwrap();
+        assert_eq!(ran, set);
+        for (&x, &y) in x.iter().zip(&y) {
+            let error = ulp_error(y, (x as f64).exp());
+            if error > worst.0 {
+                worst = (error, x);
+            }
+        }
+    }
+    worst
+}
+
+/// −0 and −87.3 as bit patterns: the negative floats in between are the
+/// bits in between.
+const MINUS_ZERO: u32 = 0x8000_0000;
+fn bits_of_minus_87_3() -> u32 {
+    (-87.3f32).to_bits()
+}
+
+#[test]
+fn exp_is_within_two_ulp_on_a_sample() {
+    for set in available_kernel_sets() {
+        let (error, at) = max_exp_ulp_error(set, MINUS_ZERO, bits_of_minus_87_3(), 997);
+        assert!(error <= 2.0, "{set}: {error} ulp at {at}");
+    }
+}
+
+/// Every `f32` in [−87.3, 0]: about 1.1e9 inputs per kernel set. Run it in
+/// release: `cargo test --release --lib -- --ignored exp_is_within_two_ulp_exhaustively`.
+#[test]
+#[ignore = "exhaustive: run in release (CI does)"]
+fn exp_is_within_two_ulp_exhaustively() {
+    let worst: Vec<_> = available_kernel_sets()
+        .into_iter()
+        .map(|set| {
+            let (error, at) = max_exp_ulp_error(set, MINUS_ZERO, bits_of_minus_87_3(), 1);
+            println!("{set}: max error {error:.3} ulp at {at:e}");
+            (set, error, at)
+        })
+        .collect();
+    for (set, error, at) in worst {
+        assert!(error <= 2.0, "{set}: {error} ulp at {at}");
+    }
+}
+
+#[test]
+fn exp_special_values() {
+    let x = vec![
+        f32::NEG_INFINITY,
+        f32::NAN,
+        0.0,
+        -0.0,
+        EXP_MIN_INPUT - 1e-3,
+        -1e30,
+        -200.0,
+        1.0,
+        10.0,
+    ];
+    for (set, (_, y)) in for_each_kernel_set(Exp(x)) {
+        assert_eq!(y[0], 0.0, "{set}: exp(-inf)");
+        assert!(y[1].is_nan(), "{set}: exp(NaN)");
+        assert!(
+            (y[2] - 1.0).abs() <= f32::EPSILON && (y[3] - 1.0).abs() <= f32::EPSILON,
+            "{set}: exp(0)"
+        );
+        assert_eq!(&y[4..7], &[0.0, 0.0, 0.0], "{set}: below the normal range");
+        assert!(
+            ulp_error(y[7], 1f64.exp()) <= 2.0 && ulp_error(y[8], 10f64.exp()) <= 2.0,
+            "{set}"
+        );
+    }
+}
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// One tile through the three kernels against the textbook formulas.
+#[derive(Clone)]
+struct TileCheck {
+    d: usize,
+    value_columns: usize,
+}
+
+impl WithKernel for TileCheck {
+    type Output = ();
+    fn run<K: Kernel>(self, kernel: K) {
+        let (d, rows, keys) = (self.d, 2 * K::ROWS, 2 * K::KEY_PANEL);
+        let width = self.value_columns.div_ceil(K::LANES) * K::LANES;
+        let q = values(rows * d, 1);
+        let k = values(keys * d, 2);
+        let v = values(keys * width, 3);
+        // Pack k into panels of KEY_PANEL keys, each [d][KEY_PANEL].
+        let mut panels = vec![0.0; keys * d];
+        for j in 0..keys {
+            for dd in 0..d {
+                panels[(j / K::KEY_PANEL) * K::KEY_PANEL * d
+                    + dd * K::KEY_PANEL
+                    + j % K::KEY_PANEL] = k[j * d + dd];
+            }
+        }
+        let stride = keys + 3;
+        let mut s = vec![f32::NAN; rows * stride];
+        kernel.scores(&q, d, &panels, &mut s, stride);
+        for r in 0..rows {
+            for j in 0..keys {
+                let exact: f64 = (0..d)
+                    .map(|dd| q[r * d + dd] as f64 * k[j * d + dd] as f64)
+                    .sum();
+                assert!(
+                    (s[r * stride + j] as f64 - exact).abs() < 1e-5 * d as f64,
+                    "{}: s[{r}][{j}]",
+                    K::SET
+                );
+            }
+        }
+        // Mask one key per row, then the softmax pass from a running state.
+        let original = s.clone();
+        for r in 0..rows {
+            s[r * stride + r % keys] = f32::NEG_INFINITY;
+        }
+        let mut max = vec![0.5f32; rows];
+        let mut sum = vec![2.0f32; rows];
+        let mut alpha = vec![f32::NAN; rows];
+        kernel.softmax_rows(&mut s, keys, stride, &mut max, &mut sum, &mut alpha);
+        for r in 0..rows {
+            let row = &original[r * stride..r * stride + keys];
+            let visible = |j: usize| j != r % keys;
+            let m = (0..keys)
+                .filter(|&j| visible(j))
+                .map(|j| row[j] as f64)
+                .fold(0.5, f64::max);
+            let expected_alpha = (0.5 - m).exp();
+            assert!(
+                (alpha[r] as f64 - expected_alpha).abs() < 1e-6,
+                "{}: alpha",
+                K::SET
+            );
+            assert!((max[r] as f64 - m).abs() < 1e-6);
+            let mut total = 2.0 * expected_alpha;
+            for j in 0..keys {
+                let p = if visible(j) {
+                    (row[j] as f64 - m).exp()
+                } else {
+                    0.0
+                };
+                total += p;
+                assert!(
+                    (s[r * stride + j] as f64 - p).abs() < 1e-6,
+                    "{}: p[{r}][{j}]",
+                    K::SET
+                );
+            }
+            assert!(
+                (sum[r] as f64 - total).abs() < 1e-5 * total,
+                "{}: sum",
+                K::SET
+            );
+        }
+        // O ← α·O + P·V.
+        let o_start = values(rows * width, 4);
+        let mut o = o_start.clone();
+        kernel.accumulate_values(&s, stride, &v, width, &alpha, &mut o);
+        for r in 0..rows {
+            for c in 0..width {
+                let exact: f64 = alpha[r] as f64 * o_start[r * width + c] as f64
+                    + (0..keys)
+                        .map(|j| s[r * stride + j] as f64 * v[j * width + c] as f64)
+                        .sum::<f64>();
+                assert!(
+                    (o[r * width + c] as f64 - exact).abs() < 1e-5 * keys as f64,
+                    "{}: o[{r}][{c}]",
+                    K::SET
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn tile_kernels_match_the_formulas() {
+    for d in [1, 3, 16, 17, 64, 65] {
+        for value_columns in [1, 5, 16, 48, 64, 65, 100, 128] {
+            for_each_kernel_set(TileCheck { d, value_columns });
+        }
+    }
+}
+
+#[test]
+fn a_row_that_sees_nothing_gives_zeros_and_alpha_one() {
+    #[derive(Clone)]
+    struct AllMasked;
+    impl WithKernel for AllMasked {
+        type Output = ();
+        fn run<K: Kernel>(self, kernel: K) {
+            let keys = K::KEY_PANEL;
+            let mut s = vec![f32::NEG_INFINITY; keys];
+            let (mut max, mut sum, mut alpha) =
+                (vec![f32::NEG_INFINITY], vec![0.0], vec![f32::NAN]);
+            kernel.softmax_rows(&mut s, keys, keys, &mut max, &mut sum, &mut alpha);
+            assert!(s.iter().all(|&p| p == 0.0), "{}", K::SET);
+            assert_eq!(
+                (max[0], sum[0], alpha[0]),
+                (f32::NEG_INFINITY, 0.0, 1.0),
+                "{}",
+                K::SET
+            );
+        }
+    }
+    for_each_kernel_set(AllMasked);
+}
