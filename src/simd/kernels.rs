@@ -261,13 +261,10 @@ impl ValueBlock {
         // SAFETY (for the whole body): as the function's contract.
         unsafe {
             let column = c0 * V::LANES;
+            // This tile's P·V is summed from zero and only then added to the
+            // rescaled O: 64 terms per sum instead of len_kv, which keeps
+            // the rounding error of long rows at the blocked-sum level.
             let mut acc = [[V::splat(0.0); W]; MR];
-            for (r, acc_row) in acc.iter_mut().enumerate() {
-                let a = V::splat(*self.alpha.add(r));
-                for (c, x) in acc_row.iter_mut().enumerate() {
-                    *x = V::load(self.o.add(r * self.value_width + column + c * V::LANES)).mul(a);
-                }
-            }
             for j in 0..self.keys {
                 let v_row = self.v.add(j * self.value_width + column);
                 let v_vectors: [V; W] = std::array::from_fn(|c| V::load(v_row.add(c * V::LANES)));
@@ -279,8 +276,10 @@ impl ValueBlock {
                 }
             }
             for (r, acc_row) in acc.iter().enumerate() {
+                let a = V::splat(*self.alpha.add(r));
                 for (c, x) in acc_row.iter().enumerate() {
-                    x.store(self.o.add(r * self.value_width + column + c * V::LANES));
+                    let o = self.o.add(r * self.value_width + column + c * V::LANES);
+                    V::load(o).mul_add(a, *x).store(o);
                 }
             }
         }
