@@ -14,7 +14,7 @@
 //! end: O / ℓ   (rows with ℓ = 0 → 0)
 //! ```
 //!
-//! Causal and key-length masks bound the key tiles a query tile visits;
+//! Causal, window and key-length masks bound the key tiles a query tile visits;
 //! only tiles that straddle a boundary (or every tile, with a keep mask) are
 //! masked element by element. Masked scores become `−inf` by selection, so
 //! whatever a masked key holds never reaches the output; value tiles that
@@ -173,8 +173,6 @@ struct TileScratch {
     max: Vec<f32>,
     sum: Vec<f32>,
     alpha: Vec<f32>,
-    /// Per row, the end of its contiguous visible key range.
-    visible_end: Vec<usize>,
     /// Rows rounded up to the kernel's register tile.
     padded_rows: usize,
     value_width: usize,
@@ -191,7 +189,6 @@ impl TileScratch {
             max: vec![0.0; rows],
             sum: vec![0.0; rows],
             alpha: vec![0.0; rows],
-            visible_end: vec![0; rows],
             padded_rows: rows,
             value_width,
         }
@@ -226,20 +223,21 @@ impl TileScratch {
                 *packed_q = scale * x;
             }
         }
-        for r in 0..at.rows {
-            self.visible_end[r] = opts.visible_end(at.b, at.i0 + r, shape.len_q, shape.len_kv);
+        // The key tiles any row can see, and the span every row sees: tiles
+        // inside that span need no element-wise mask.
+        let (mut min_start, mut max_start) = (usize::MAX, 0);
+        let (mut min_end, mut max_end) = (usize::MAX, 0);
+        for i in at.i0..at.i0 + at.rows {
+            let range = opts.visible_range(at.b, i, shape.len_q, shape.len_kv);
+            (min_start, max_start) = (min_start.min(range.start), max_start.max(range.start));
+            (min_end, max_end) = (min_end.min(range.end), max_end.max(range.end));
         }
-        let ends = &self.visible_end[..at.rows];
-        let (min_end, max_end) = (
-            ends.iter().copied().min().unwrap_or(0),
-            ends.iter().copied().max().unwrap_or(0),
-        );
 
         self.max[..rows].fill(f32::NEG_INFINITY);
         self.sum[..rows].fill(0.0);
         self.o[..rows * self.value_width].fill(0.0);
         let width = self.value_width;
-        for t in 0..max_end.div_ceil(KEY_TILE) {
+        for t in min_start / KEY_TILE..max_end.div_ceil(KEY_TILE) {
             let j0 = t * KEY_TILE;
             kernel.scores(
                 &self.q[..rows * d_k],
@@ -251,7 +249,7 @@ impl TileScratch {
             if opts.bias.is_some() {
                 self.add_bias(at, j0, opts, shape);
             }
-            if opts.keep_mask.is_some() || j0 + KEY_TILE > min_end {
+            if opts.keep_mask.is_some() || j0 + KEY_TILE > min_end || j0 < max_start {
                 self.mask(at, j0, opts, shape);
             }
             kernel.softmax_rows(

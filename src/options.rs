@@ -70,6 +70,7 @@ pub struct AttentionOptions<'a, F> {
     pub(crate) keep_mask: Option<ArrayView4<'a, bool>>,
     pub(crate) bias: Option<ArrayView4<'a, F>>,
     pub(crate) key_lengths: Option<&'a [usize]>,
+    pub(crate) window: Option<usize>,
     pub(crate) kernel_set: Option<KernelSet>,
 }
 
@@ -81,6 +82,7 @@ impl<F> Default for AttentionOptions<'_, F> {
             keep_mask: None,
             bias: None,
             key_lengths: None,
+            window: None,
             kernel_set: None,
         }
     }
@@ -100,6 +102,7 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
 
     /// Causal attention with the given alignment.
     pub fn causal_aligned(mut self, alignment: CausalAlignment) -> Self {
+        // A window set earlier keeps working with the new alignment.
         self.causal = Some(alignment);
         self
     }
@@ -134,6 +137,31 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
         self
     }
 
+    /// Sliding-window attention: each query sees at most the `window` most
+    /// recent keys up to its causal position, i.e. keys `j` with
+    /// `p − window < j ≤ p` where `p` is the query's diagonal position.
+    /// Implies causal attention, bottom-right aligned unless
+    /// [`causal_aligned`](Self::causal_aligned) says otherwise. `window`
+    /// must be at least 1; the call returns an error otherwise.
+    ///
+    /// ```
+    /// use ndarray::Array4;
+    /// use sdpa::AttentionOptions;
+    ///
+    /// let x = Array4::<f64>::ones((1, 1, 5, 2));
+    /// let w = sdpa::core::attention_weights(x.view(), x.view(), &AttentionOptions::new().window(2))?;
+    /// // Query 4 sees keys 3 and 4 only.
+    /// assert_eq!(w.slice(ndarray::s![0, 0, 4, ..]).to_vec(), vec![0.0, 0.0, 0.0, 0.5, 0.5]);
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn window(mut self, window: usize) -> Self {
+        self.window = Some(window);
+        if self.causal.is_none() {
+            self.causal = Some(CausalAlignment::BottomRight);
+        }
+        self
+    }
+
     /// Runs `f32` calls on this kernel set instead of the one chosen at run
     /// time (see [`crate::simd`]); for tests and benchmarks. The call
     /// returns an error if this CPU cannot run it. `f64` calls always run
@@ -144,12 +172,15 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
     }
 }
 
-/// The keys one query row may see: a contiguous range `[0, end)` from the
-/// causal rule and key lengths, then, inside it, the keep mask row.
+/// The keys one query row may see: a contiguous range `[start, end)` from
+/// the causal rule, the window and the key lengths, then, inside it, the
+/// keep-mask row.
 ///
 /// Every path asks this type, so the masking semantics live in one place.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct VisibleKeys<'m> {
+    /// Keys before `start` are outside the sliding window.
+    pub start: usize,
     /// Keys at index `>= end` are invisible.
     pub end: usize,
     /// The keep-mask row for this query, of length `len_kv` or 1 (broadcast).
@@ -160,7 +191,7 @@ impl VisibleKeys<'_> {
     /// Whether key `j` is visible.
     #[inline]
     pub fn contains(&self, j: usize) -> bool {
-        j < self.end
+        (self.start..self.end).contains(&j)
             && self
                 .keep
                 .as_ref()
@@ -188,21 +219,30 @@ pub(crate) fn broadcast_row<'v, T>(
 }
 
 impl<'a, F: Copy> AttentionOptions<'a, F> {
-    /// The end of the contiguous visible key range `[0, end)` for query `i`
-    /// of batch item `b`, from the causal rule and the key lengths.
-    pub(crate) fn visible_end(&self, b: usize, i: usize, len_q: usize, len_kv: usize) -> usize {
-        let causal_end = match self.causal {
+    /// The contiguous visible key range `[start, end)` for query `i` of
+    /// batch item `b`, from the causal rule, the window and the key lengths.
+    pub(crate) fn visible_range(
+        &self,
+        b: usize,
+        i: usize,
+        len_q: usize,
+        len_kv: usize,
+    ) -> std::ops::Range<usize> {
+        // One past the last key the query may see under the causal rule
+        // (its diagonal), before clamping to the keys there are.
+        let diagonal_end = match self.causal {
             None => len_kv,
-            Some(CausalAlignment::TopLeft) => (i + 1).min(len_kv),
+            Some(CausalAlignment::TopLeft) => i + 1,
             // j ≤ i + len_kv − len_q, i.e. j < i + 1 + len_kv − len_q, clamped at 0.
-            Some(CausalAlignment::BottomRight) => {
-                (i + 1 + len_kv).saturating_sub(len_q).min(len_kv)
-            }
+            Some(CausalAlignment::BottomRight) => (i + 1 + len_kv).saturating_sub(len_q),
         };
-        match self.key_lengths {
-            Some(lengths) => causal_end.min(lengths[b]),
-            None => causal_end,
-        }
+        let start = match self.window {
+            Some(window) => diagonal_end.saturating_sub(window),
+            None => 0,
+        };
+        let key_length = self.key_lengths.map_or(len_kv, |lengths| lengths[b]);
+        let end = diagonal_end.min(len_kv).min(key_length);
+        start.min(end)..end
     }
 
     /// The keys visible to query `i` of batch item `b`, head `h`.
@@ -215,8 +255,10 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
         len_q: usize,
         len_kv: usize,
     ) -> VisibleKeys<'_> {
+        let range = self.visible_range(b, i, len_q, len_kv);
         VisibleKeys {
-            end: self.visible_end(b, i, len_q, len_kv),
+            start: range.start,
+            end: range.end,
             keep: self
                 .keep_mask
                 .as_ref()

@@ -132,6 +132,12 @@ pub(crate) fn check<F: Element>(
             ));
         }
     }
+    if opts.window == Some(0) {
+        return Err(AttentionError::new(
+            ErrorKind::InvalidOption,
+            "window must be at least 1 key, got 0",
+        ));
+    }
     let scale = match opts.scale {
         Some(s) if !s.is_finite() => {
             return Err(AttentionError::new(

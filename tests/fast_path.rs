@@ -37,6 +37,7 @@ struct Case {
     bias: bool,
     key_lengths: bool,
     scale: Option<f64>,
+    window: Option<usize>,
 }
 
 const HEAD_DIMS: [usize; 13] = [1, 3, 7, 8, 15, 16, 17, 31, 33, 64, 65, 127, 128];
@@ -54,7 +55,7 @@ fn all_cases() -> Vec<Case> {
                 keep_mask: flags & 1 != 0,
                 bias: flags & 2 != 0,
                 key_lengths: flags & 4 != 0,
-                scale: None,
+                ..Case::default()
             });
         }
     }
@@ -62,6 +63,21 @@ fn all_cases() -> Vec<Case> {
         scale: Some(0.3),
         ..Case::default()
     });
+    for (window, causal, keep_mask, key_lengths) in [
+        (1, None, false, false),
+        (5, None, true, false),
+        (70, Some(CausalAlignment::TopLeft), false, true),
+        (13, Some(CausalAlignment::TopLeft), true, true),
+        (64, Some(CausalAlignment::BottomRight), false, false),
+    ] {
+        cases.push(Case {
+            window: Some(window),
+            causal,
+            keep_mask,
+            key_lengths,
+            ..Case::default()
+        });
+    }
     cases
 }
 
@@ -128,6 +144,9 @@ fn options<'a, F: Copy>(
     }
     if let Some(scale) = scale {
         opts = opts.scale(scale);
+    }
+    if let Some(window) = case.window {
+        opts = opts.window(window);
     }
     opts
 }
@@ -460,6 +479,50 @@ fn accuracy_is_at_least_torchs_on_random_normal_inputs() {
                 assert!(
                     error <= torch,
                     "{set}: causal {causal}, sigma {sigma}: {error:e} > {torch:e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_window_equals_its_definition_as_a_keep_mask() {
+    let mut rng = Rng(8);
+    for (len_q, len_kv) in [(9, 9), (4, 11), (11, 4)] {
+        let inputs = inputs(&mut rng, 1, 1, 1, len_q, len_kv, 5, 3, 1.0);
+        for alignment in [CausalAlignment::BottomRight, CausalAlignment::TopLeft] {
+            for window in [1, 2, 3, 20] {
+                // Query i's diagonal position p; it sees keys p - window < j <= p.
+                let p = |i: usize| match alignment {
+                    CausalAlignment::BottomRight => i as i64 + len_kv as i64 - len_q as i64,
+                    _ => i as i64,
+                };
+                let keep = Array4::from_shape_fn((1, 1, len_q, len_kv), |(_, _, i, j)| {
+                    let j = j as i64;
+                    j <= p(i) && j > p(i) - window as i64
+                });
+                let by_definition = sdpa::core::scaled_dot_product_attention(
+                    inputs.q.view(),
+                    inputs.k.view(),
+                    inputs.v.view(),
+                    &AttentionOptions::new().keep_mask(keep.view()),
+                )
+                .unwrap();
+                let windowed = AttentionOptions::new()
+                    .causal_aligned(alignment)
+                    .window(window);
+                let got = sdpa::core::scaled_dot_product_attention(
+                    inputs.q.view(),
+                    inputs.k.view(),
+                    inputs.v.view(),
+                    &windowed,
+                )
+                .unwrap();
+                assert!(
+                    got.iter()
+                        .zip(&by_definition)
+                        .all(|(a, b)| (a - b).abs() < 1e-12),
+                    "{alignment:?} window {window}"
                 );
             }
         }

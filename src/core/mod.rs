@@ -131,15 +131,7 @@ pub(crate) fn attention_into_checked<F: Element>(
             let vh = head(v, b, kv_h);
             let qh = head(q, b, h);
             head_weights(qh, kh, opts, shape, scale, b, h, weights.view_mut());
-            weighted_values(
-                weights.view(),
-                vh,
-                opts,
-                shape,
-                b,
-                h,
-                head_mut(&mut out, b, h),
-            );
+            weighted_values(weights.view(), vh, head_mut(&mut out, b, h));
         }
     }
 }
@@ -200,33 +192,27 @@ fn softmax_row<F: Element>(
     row.mapv_inplace(|w| w / sum);
 }
 
-/// `out = weights · vh` for one head, where masked keys contribute nothing
-/// even if their values are NaN or infinite.
+/// `out = weights · vh` for one head, where keys of weight 0 (masked ones)
+/// contribute nothing even if their values are NaN or infinite.
 fn weighted_values<F: Element>(
     weights: ArrayView2<'_, F>,
     vh: ArrayView2<'_, F>,
-    opts: &AttentionOptions<'_, F>,
-    shape: &AttentionShape,
-    b: usize,
-    h: usize,
     mut out: ArrayViewMut2<'_, F>,
 ) {
     if vh.iter().all(|x| x.is_finite()) {
         general_mat_mul(F::one(), &weights, &vh, F::zero(), &mut out);
         return;
     }
-    // A product would give 0·NaN = NaN for masked keys: sum only the visible ones.
-    for (i, mut out_row) in out.rows_mut().into_iter().enumerate() {
-        let visible = opts.visible_keys(b, h, i, shape.len_q, shape.len_kv);
+    // A product would give 0·NaN = NaN: sum only the keys with weight.
+    for (weights_row, mut out_row) in weights.rows().into_iter().zip(out.rows_mut()) {
         out_row.fill(F::zero());
-        for (j, v_row) in vh.rows().into_iter().enumerate().take(visible.end) {
-            if visible.contains(j) {
-                out_row.scaled_add(weights[[i, j]], &v_row);
+        for (&weight, v_row) in weights_row.iter().zip(vh.rows()) {
+            if weight != F::zero() {
+                out_row.scaled_add(weight, &v_row);
             }
         }
     }
 }
-
 /// The `[len, d]` matrix of batch item `b`, head `h`.
 pub(crate) fn head<'v, F, S: Data<Elem = F>>(
     x: &'v ArrayBase<S, Ix4>,
