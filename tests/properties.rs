@@ -49,23 +49,23 @@ fn weight_rows_sum_to_one_or_are_zero<F: Element>(
         for h in 0..dims.heads {
             for i in 0..dims.len_q {
                 let row = weights.slice(s![b, h, i, ..]);
-                let any_visible = (0..dims.len_kv).any(|j| extras.visible(b, h, i, j));
+                let any_live = (0..dims.len_kv).any(|j| extras.live(b, h, i, j));
                 for (j, &w) in row.iter().enumerate() {
                     prop_assert!(
                         w >= F::zero() && w <= F::one(),
                         "weight {w} at {:?}",
                         (b, h, i, j)
                     );
-                    if !extras.visible(b, h, i, j) {
+                    if !extras.live(b, h, i, j) {
                         prop_assert!(
                             w == F::zero(),
-                            "masked key {j} of row {:?} has weight {w}",
+                            "masked or -inf key {j} of row {:?} has weight {w}",
                             (b, h, i)
                         );
                     }
                 }
                 let sum = common::to_f64(row.sum());
-                if any_visible {
+                if any_live {
                     prop_assert!(
                         (sum - 1.0).abs() <= tolerance::<F>(),
                         "row {:?} sums to {sum}",
@@ -74,7 +74,7 @@ fn weight_rows_sum_to_one_or_are_zero<F: Element>(
                 } else {
                     prop_assert!(
                         sum == 0.0,
-                        "row {:?} has no visible key but sums to {sum}",
+                        "row {:?} has no visible finite-bias key but sums to {sum}",
                         (b, h, i)
                     );
                 }
@@ -611,7 +611,7 @@ fn f32_agrees_with_f64_reference(dims: Dims, spec: OptionSpec, seed: u64) -> Che
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(96))]
+    #![proptest_config(common::config(96))]
 
     #[test]
     fn output_matches_the_definition(dims in dims(), spec in option_spec(), seed in any::<u64>()) {

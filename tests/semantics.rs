@@ -637,16 +637,43 @@ fn strided_views_equal_contiguous() {
     for_both_types!(strided);
 }
 
-/// Longer sequences than the property tests draw, crossing several tiles
-/// of a fused kernel: `sdpa::` in `f32` against `sdpa::core` in `f64`.
+/// Longer sequences than the property tests draw, crossing many tiles of
+/// a fused kernel, and decoding (one query against a long cache):
+/// `sdpa::` in `f32` against `sdpa::core` in `f64`, with each kind of option.
 #[test]
 fn f32_agrees_with_f64_reference_on_long_sequences() {
+    use common::{Extras, OptionSpec};
+    let specs = [
+        OptionSpec::default(),
+        OptionSpec {
+            causal: Some(CausalAlignment::BottomRight),
+            ..OptionSpec::default()
+        },
+        OptionSpec {
+            causal: Some(CausalAlignment::TopLeft),
+            key_lengths: true,
+            ..OptionSpec::default()
+        },
+        OptionSpec {
+            keep_mask: Some([false, true, true, false]),
+            bias: Some([true, false, false, false]),
+            scale: Some(0.3),
+            ..OptionSpec::default()
+        },
+    ];
     let mut rng = Rng::new(37);
-    for (len_q, len_kv, d_k) in [(200, 200, 64), (1, 300, 64), (129, 257, 128), (67, 33, 17)] {
+    for (len_q, len_kv, d_k) in [
+        (200, 200, 64),
+        (129, 257, 128),
+        (67, 33, 17),
+        (1, 300, 64),
+        (1, 5000, 64),
+        (3, 4097, 128),
+    ] {
         let d = common::Dims {
-            batch: 1,
-            heads: 2,
-            kv_heads: 1,
+            batch: 2,
+            heads: 4,
+            kv_heads: 2,
             len_q,
             len_kv,
             d_k,
@@ -654,32 +681,26 @@ fn f32_agrees_with_f64_reference_on_long_sequences() {
         };
         let inputs = Inputs::<f32>::random(&d, &mut rng);
         let wide = inputs.to_f64();
-        for causal in [false, true] {
+        for spec in &specs {
+            let extras = Extras::<f32>::random(spec, &d, &mut rng);
             let out = sdpa::scaled_dot_product_attention(
                 inputs.q.view(),
                 inputs.k.view(),
                 inputs.v.view(),
-                &options(causal),
+                &extras.options(),
             )
             .unwrap();
+            let extras64 = extras.to_f64();
             let reference = sdpa::core::scaled_dot_product_attention(
                 wide.q.view(),
                 wide.k.view(),
                 wide.v.view(),
-                &options(causal),
+                &extras64.options(),
             )
             .unwrap();
             common::close(&out.view(), &reference.view(), 1e-5).unwrap_or_else(|e| {
-                panic!("len_q {len_q}, len_kv {len_kv}, d_k {d_k}, causal {causal}: {e}")
+                panic!("len_q {len_q}, len_kv {len_kv}, d_k {d_k}, {spec:?}: {e}")
             });
         }
-    }
-}
-
-fn options<'a, F: Element>(causal: bool) -> AttentionOptions<'a, F> {
-    if causal {
-        AttentionOptions::new().causal()
-    } else {
-        AttentionOptions::new()
     }
 }

@@ -125,15 +125,29 @@ impl Dims {
     }
 }
 
-/// A sequence length: mostly small (0 and 1 included), sometimes past the
-/// 64-wide tiles a fused kernel is likely to use.
+/// A sequence length: mostly small (0 and 1 included), sometimes past one
+/// or two of the 64- or 96-row tiles a fused kernel is likely to use.
 pub fn length() -> impl Strategy<Value = usize> {
-    prop_oneof![4 => 0usize..=9, 1 => 10usize..=70]
+    prop_oneof![8 => 0usize..=9, 2 => 10usize..=70, 1 => 71usize..=200]
 }
 
 /// A positive sequence length.
 pub fn positive_length() -> impl Strategy<Value = usize> {
-    prop_oneof![4 => 1usize..=9, 1 => 10usize..=70]
+    prop_oneof![8 => 1usize..=9, 2 => 10usize..=70, 1 => 71usize..=200]
+}
+
+/// The proptest configuration with `cases` cases, unless the
+/// `PROPTEST_CASES` environment variable asks for another number (a long
+/// hunt: `PROPTEST_CASES=5000 cargo test --test properties`).
+pub fn config(cases: u32) -> ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(cases);
+    ProptestConfig {
+        cases,
+        ..ProptestConfig::default()
+    }
 }
 
 /// A head dimension: mostly small and odd-sized, sometimes around 64.
@@ -428,7 +442,8 @@ impl<F: Element> Extras<F> {
     }
 
     /// Arrays for `spec`: keep-mask entries `true` with probability 0.7,
-    /// bias uniform in `[-1, 1)`, key lengths uniform in `0..=len_kv`.
+    /// bias uniform in `[-1, 1)` or, one time in ten, `-inf` (which hides a
+    /// key like the mask does), key lengths uniform in `0..=len_kv`.
     pub fn random(spec: &OptionSpec, dims: &Dims, rng: &mut Rng) -> Self {
         Self {
             dims: *dims,
@@ -437,9 +452,16 @@ impl<F: Element> Extras<F> {
             keep_mask: spec
                 .keep_mask
                 .map(|ones| rng.mask(broadcast_shape(dims.scores(), ones), 0.7)),
-            bias: spec
-                .bias
-                .map(|ones| rng.array(broadcast_shape(dims.scores(), ones))),
+            bias: spec.bias.map(|ones| {
+                rng.array(broadcast_shape(dims.scores(), ones))
+                    .mapv(|x: F| {
+                        if rng.chance(0.1) {
+                            F::neg_infinity()
+                        } else {
+                            x
+                        }
+                    })
+            }),
             key_lengths: spec.key_lengths.then(|| {
                 (0..dims.batch)
                     .map(|_| rng.below(dims.len_kv + 1))
@@ -483,6 +505,12 @@ impl<F: Element> Extras<F> {
                 .keep_mask
                 .as_ref()
                 .is_none_or(|m| broadcast_at(m, b, h, i, j))
+    }
+
+    /// Whether key `j` takes part in query `i`'s softmax: visible, and
+    /// its bias is not `-inf`.
+    pub fn live(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
+        self.visible(b, h, i, j) && self.bias_at(b, h, i, j) > f64::NEG_INFINITY
     }
 
     pub fn bias_at(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
