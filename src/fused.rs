@@ -21,11 +21,12 @@
 //! hold a NaN or infinity take a path that skips zero weights, so `0·NaN`
 //! never happens either.
 
-use ndarray::{ArrayView2, ArrayView4, ArrayViewMut2, ArrayViewMut4};
+use ndarray::{ArrayView2, ArrayView4, ArrayViewMut2, ArrayViewMut4, Axis};
 
-use crate::core::{head, head_mut};
+use crate::core::head;
 use crate::error::AttentionError;
 use crate::options::{AttentionOptions, broadcast, broadcast_row};
+use crate::parallel::{for_each_with, split_into_chunks};
 use crate::shape::AttentionShape;
 use crate::simd::{self, Kernel, WithKernel};
 
@@ -79,29 +80,62 @@ struct FusedAttention<'c, 'q, 'k, 'v, 'o> {
 impl WithKernel for FusedAttention<'_, '_, '_, '_, '_> {
     type Output = ();
 
-    fn run<K: Kernel>(mut self, kernel: K) {
+    fn run<K: Kernel>(self, kernel: K) {
         let shape = *self.shape;
         if self.out.is_empty() {
             return;
         }
-        let mut packed = PackedKeysValues::new::<K>(&shape);
-        let mut tile = TileScratch::new::<K>(&shape);
+        // One job per (batch, kv_head): pack its keys and values once, then
+        // run every query tile of every head that shares them. Jobs and
+        // tiles run in parallel; each tile writes its own rows of `out`.
         let group = shape.heads / shape.kv_heads;
-        for b in 0..shape.batch {
-            for kv_h in 0..shape.kv_heads {
-                packed.pack::<K>(head(self.k, b, kv_h), head(self.v, b, kv_h));
-                for h in kv_h * group..(kv_h + 1) * group {
-                    let q_head = head(self.q, b, h);
-                    let mut out_head = head_mut(&mut self.out, b, h);
-                    for i0 in (0..shape.len_q).step_by(QUERY_TILE) {
-                        let rows = QUERY_TILE.min(shape.len_q - i0);
-                        let at = TilePosition { b, h, i0, rows };
-                        tile.attend(kernel, &at, q_head, &packed, self.opts, &shape, self.scale);
-                        tile.write_output(&at, &mut out_head);
-                    }
-                }
+        let mut jobs = Vec::with_capacity(shape.batch * shape.kv_heads);
+        for (b, out_b) in split_into_chunks(self.out, Axis(0), 1)
+            .into_iter()
+            .enumerate()
+        {
+            let out_heads = split_into_chunks(out_b.index_axis_move(Axis(0), 0), Axis(0), group);
+            for (kv_h, out_group) in out_heads.into_iter().enumerate() {
+                jobs.push((b, kv_h, out_group));
             }
         }
+        let (q, k, v, opts, scale) = (self.q, self.k, self.v, self.opts, self.scale);
+        for_each_with(
+            jobs,
+            || (),
+            |_, (b, kv_h, out_group)| {
+                let mut packed = PackedKeysValues::new::<K>(&shape);
+                packed.pack::<K>(head(k, b, kv_h), head(v, b, kv_h));
+                let mut tiles = Vec::new();
+                for (offset, out_head) in split_into_chunks(out_group, Axis(0), 1)
+                    .into_iter()
+                    .enumerate()
+                {
+                    let h = kv_h * group + offset;
+                    let out_head = out_head.index_axis_move(Axis(0), 0);
+                    for (t, out_tile) in split_into_chunks(out_head, Axis(0), QUERY_TILE)
+                        .into_iter()
+                        .enumerate()
+                    {
+                        let at = TilePosition {
+                            b,
+                            h,
+                            i0: t * QUERY_TILE,
+                            rows: out_tile.nrows(),
+                        };
+                        tiles.push((at, out_tile));
+                    }
+                }
+                for_each_with(
+                    tiles,
+                    || TileScratch::new::<K>(&shape),
+                    |tile, (at, mut out_tile)| {
+                        tile.attend(kernel, &at, head(q, b, at.h), &packed, opts, &shape, scale);
+                        tile.write_output(&at, &mut out_tile);
+                    },
+                );
+            },
+        );
     }
 }
 
@@ -333,13 +367,13 @@ impl TileScratch {
         }
     }
 
-    /// Writes `O / ℓ` for the tile's rows into the head's output; rows that
-    /// saw no key (ℓ = 0) get zeros.
-    fn write_output(&self, at: &TilePosition, out_head: &mut ArrayViewMut2<'_, f32>) {
+    /// Writes `O / ℓ` for the tile's rows into `out_tile`; rows that saw no
+    /// key (ℓ = 0) get zeros.
+    fn write_output(&self, at: &TilePosition, out_tile: &mut ArrayViewMut2<'_, f32>) {
         for r in 0..at.rows {
             let sum = self.sum[r];
             let o = &self.o[r * self.value_width..];
-            let mut out_row = out_head.row_mut(at.i0 + r);
+            let mut out_row = out_tile.row_mut(r);
             for (y, &x) in out_row.iter_mut().zip(o) {
                 *y = if sum > 0.0 { x / sum } else { 0.0 };
             }

@@ -8,6 +8,7 @@ mod element;
 mod error;
 mod fused;
 mod options;
+mod parallel;
 mod sequence;
 mod shape;
 pub mod simd;

@@ -1,0 +1,51 @@
+//! Splitting work over threads: rayon's global pool (`RAYON_NUM_THREADS`)
+//! with the `rayon` feature, a plain loop without it.
+//!
+//! Each item is computed the same way whichever thread runs it, so results
+//! are bitwise identical for any thread count.
+
+/// Runs `work` on every item, with per-thread state made by `init`.
+pub(crate) fn for_each_with<T, S>(
+    items: Vec<T>,
+    init: impl Fn() -> S + Send + Sync,
+    work: impl Fn(&mut S, T) + Send + Sync,
+) where
+    T: Send,
+{
+    #[cfg(feature = "rayon")]
+    {
+        use rayon::prelude::*;
+        // One item per task: items are tiles of thousands of FMAs or more.
+        items
+            .into_par_iter()
+            .with_max_len(1)
+            .for_each_init(init, work);
+    }
+    #[cfg(not(feature = "rayon"))]
+    {
+        let mut state = init();
+        for item in items {
+            work(&mut state, item);
+        }
+    }
+}
+
+/// Splits `view` along `axis` into consecutive pieces of `chunk` (the last
+/// may be shorter), each a view of the same lifetime that can go to another
+/// thread.
+pub(crate) fn split_into_chunks<'a, A, D: ndarray::Dimension>(
+    mut view: ndarray::ArrayViewMut<'a, A, D>,
+    axis: ndarray::Axis,
+    chunk: usize,
+) -> Vec<ndarray::ArrayViewMut<'a, A, D>> {
+    let mut pieces = Vec::with_capacity(view.len_of(axis).div_ceil(chunk.max(1)));
+    while view.len_of(axis) > chunk {
+        let (first, rest) = view.split_at(axis, chunk);
+        pieces.push(first);
+        view = rest;
+    }
+    if view.len_of(axis) > 0 {
+        pieces.push(view);
+    }
+    pieces
+}

@@ -1,0 +1,50 @@
+//! The fast path gives bitwise the same output for any thread count.
+
+use ndarray::Array4;
+use sdpa::AttentionOptions;
+use sdpa::simd::available_kernel_sets;
+
+fn data(dim: (usize, usize, usize, usize), seed: usize) -> Array4<f32> {
+    Array4::from_shape_fn(dim, |(b, h, i, c)| {
+        let x = (b * 7919 + h * 104_729 + i * 31 + c * 17 + seed * 1_000_003) % 1009;
+        x as f32 / 504.5 - 1.0
+    })
+}
+
+fn with_threads<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("a thread pool")
+        .install(f)
+}
+
+#[test]
+fn output_is_bitwise_identical_for_one_two_and_three_threads() {
+    for set in available_kernel_sets() {
+        for (heads, kv_heads, len_q, len_kv, causal) in [
+            (4, 2, 300, 300, true),
+            (3, 3, 1, 1000, false),
+            (2, 1, 97, 130, false),
+            (8, 8, 5, 5, true),
+        ] {
+            let q = data((2, heads, len_q, 40), 1);
+            let k = data((2, kv_heads, len_kv, 40), 2);
+            let v = data((2, kv_heads, len_kv, 24), 3);
+            let opts = AttentionOptions::new().kernel_set(set);
+            let opts = if causal { opts.causal() } else { opts };
+            let run =
+                || sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts).unwrap();
+            let one = with_threads(1, run);
+            for threads in [2, 3] {
+                let many = with_threads(threads, run);
+                assert!(
+                    one.iter()
+                        .zip(&many)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{set}: {threads} threads differ from one"
+                );
+            }
+        }
+    }
+}
