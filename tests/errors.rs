@@ -20,6 +20,7 @@ struct Case {
     key_lengths: Option<Vec<usize>>,
     scale: Option<f64>,
     causal: bool,
+    window: Option<usize>,
 }
 
 /// The base of every case: batch 2, heads 4, kv_heads 2 (GQA), len_q 3,
@@ -34,6 +35,7 @@ fn valid() -> Case {
         key_lengths: None,
         scale: None,
         causal: false,
+        window: None,
     }
 }
 
@@ -77,6 +79,9 @@ impl Case {
         }
         if let Some(scale) = self.scale {
             opts = opts.scale(common::cast(scale));
+        }
+        if let Some(window) = self.window {
+            opts = opts.window(window);
         }
         let out_shape = out_shape.unwrap_or(self.out_shape());
         let sentinel: F = common::cast(7.0);
@@ -143,6 +148,9 @@ impl Case {
         }
         if let Some(scale) = self.scale {
             opts = opts.scale(common::cast(scale));
+        }
+        if let Some(window) = self.window {
+            opts = opts.window(window);
         }
         sdpa::core::attention_weights(q.view(), k.view(), &opts).map(drop)
     }
@@ -441,6 +449,15 @@ fn key_length_past_len_kv() {
 }
 
 #[test]
+fn window_zero() {
+    let case = Case {
+        window: Some(0),
+        ..valid()
+    };
+    expect_error(case, ErrorKind::InvalidOption, &["window"]);
+}
+
+#[test]
 fn scale_not_finite() {
     for scale in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
         let case = Case {
@@ -653,6 +670,7 @@ fn is_valid(case: &Case) -> bool {
             .as_ref()
             .is_none_or(|l| l.len() == q[0] && l.iter().all(|&n| n <= k[2]))
         && case.scale.is_none_or(f64::is_finite)
+        && case.window != Some(0)
 }
 
 /// A shape for the keep mask or bias: the full scores shape with some
@@ -704,6 +722,7 @@ prop_compose! {
             4 => -2.0..2.0f64, 1 => Just(f64::NAN), 1 => Just(f64::INFINITY),
         ]),
         causal in any::<bool>(),
+        window in prop::option::of(0usize..=3),
         mutations in prop::collection::vec((0usize..19, 0usize..=3), 0..=3),
     ) -> Case {
         let heads = kv_heads * group;
@@ -722,6 +741,7 @@ prop_compose! {
             }),
             scale,
             causal,
+            window,
         };
         for (slot, value) in mutations {
             mutate(&mut case, slot, value);

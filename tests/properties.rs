@@ -161,6 +161,7 @@ fn permutation_equivariant<F: Element>(dims: Dims, spec: OptionSpec, seed: u64) 
     let spec = OptionSpec {
         causal: None,
         key_lengths: false,
+        window: None,
         ..spec
     };
     let (inputs, extras) = setup::<F>(&dims, &spec, seed);
@@ -309,6 +310,42 @@ fn alignment_matches_its_definition<F: Element>(
     Ok(())
 }
 
+/// `.window(w)` (alone, so bottom-right, or with either alignment) equals
+/// an explicit keep mask built from the definitions of the causal rule and
+/// the window.
+fn window_matches_its_definition<F: Element>(
+    dims: Dims,
+    alignment: Option<CausalAlignment>,
+    window: usize,
+    seed: u64,
+) -> Check {
+    let (inputs, _) = setup::<F>(&dims, &OptionSpec::default(), seed);
+    let (len_q, len_kv) = (dims.len_q, dims.len_kv);
+    let definition = common::mask_from(&dims, |_, _, i, j| match alignment {
+        Some(CausalAlignment::TopLeft) => {
+            common::top_left_visible(i, j) && common::top_left_in_window(i, j, window)
+        }
+        _ => {
+            common::bottom_right_visible(i, j, len_q, len_kv)
+                && common::bottom_right_in_window(i, j, len_q, len_kv, window)
+        }
+    });
+    let explicit = both_paths(
+        &inputs,
+        &AttentionOptions::new().keep_mask(definition.view()),
+    );
+    let mut opts = AttentionOptions::new().window(window);
+    if let Some(alignment) = alignment {
+        opts = opts.causal_aligned(alignment);
+    }
+    for ((path, out), (_, expected)) in both_paths(&inputs, &opts).iter().zip(&explicit) {
+        prop_close(&out.view(), &expected.view(), tolerance::<F>()).map_err(|e| {
+            TestCaseError::fail(format!("{path}, {alignment:?}, window {window}: {e}"))
+        })?;
+    }
+    Ok(())
+}
+
 /// NaN and ±inf in keys, values and bias entries that no query may see
 /// never reach the output: it equals the output on clean data.
 fn masked_poison_never_leaks<F: Element>(dims: Dims, spec: OptionSpec, seed: u64) -> Check {
@@ -436,6 +473,9 @@ fn strided_views_equal_contiguous<F: Element>(dims: Dims, spec: OptionSpec, seed
             .into_owned()
     });
     let mut opts = AttentionOptions::new();
+    if let Some(window) = extras.window {
+        opts = opts.window(window);
+    }
     if let Some(a) = extras.causal {
         opts = opts.causal_aligned(a);
     }
@@ -657,6 +697,17 @@ proptest! {
     ) {
         alignment_matches_its_definition::<f32>(dims, alignment, seed)?;
         alignment_matches_its_definition::<f64>(dims, alignment, seed)?;
+    }
+
+    #[test]
+    fn sliding_window_matches_its_definition(
+        dims in dims(),
+        alignment in alignment(),
+        window in prop_oneof![1usize..=12, 13usize..=100],
+        seed in any::<u64>(),
+    ) {
+        window_matches_its_definition::<f32>(dims, alignment, window, seed)?;
+        window_matches_its_definition::<f64>(dims, alignment, window, seed)?;
     }
 
     #[test]

@@ -174,6 +174,50 @@ fn causal_top_left_by_hand() {
     assert_eq!(causal_pattern(TopLeft, 1, 5), [[1, 0, 0, 0, 0]]);
 }
 
+/// The zero pattern of the weights with a sliding window of `window` keys.
+fn window_pattern(
+    alignment: Option<CausalAlignment>,
+    window: usize,
+    len_q: usize,
+    len_kv: usize,
+) -> Vec<Vec<u8>> {
+    let mut rng = Rng::new(8);
+    let q = rng.array::<f64>([1, 1, len_q, 3]);
+    let k = rng.array::<f64>([1, 1, len_kv, 3]);
+    let mut opts = AttentionOptions::new().window(window);
+    if let Some(alignment) = alignment {
+        opts = opts.causal_aligned(alignment);
+    }
+    let w = sdpa::core::attention_weights(q.view(), k.view(), &opts).unwrap();
+    w.slice(s![0, 0, .., ..])
+        .rows()
+        .into_iter()
+        .map(|r| r.iter().map(|&x| u8::from(x != 0.0)).collect())
+        .collect()
+}
+
+#[test]
+fn sliding_window_by_hand() {
+    use CausalAlignment::{BottomRight, TopLeft};
+    let bottom_right = [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]];
+    // A window alone is causal, bottom-right.
+    assert_eq!(window_pattern(None, 2, 3, 5), bottom_right);
+    assert_eq!(window_pattern(Some(BottomRight), 2, 3, 5), bottom_right);
+    assert_eq!(
+        window_pattern(Some(TopLeft), 2, 3, 5),
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0]]
+    );
+    // A window of 1 is the diagonal; one at least len_kv is plain causal.
+    assert_eq!(
+        window_pattern(None, 1, 3, 3),
+        [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+    );
+    assert_eq!(
+        window_pattern(None, 3, 3, 3),
+        [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    );
+}
+
 #[test]
 fn causal_is_bottom_right() {
     assert_eq!(CausalAlignment::default(), CausalAlignment::BottomRight);

@@ -231,6 +231,18 @@ pub fn top_left_visible(i: usize, j: usize) -> bool {
     j <= i
 }
 
+/// Sliding window of `w` keys, bottom-right: with the diagonal position
+/// `p = i + len_kv − len_q`, key `j` is in the window when `j > p − w`.
+pub fn bottom_right_in_window(i: usize, j: usize, len_q: usize, len_kv: usize, w: usize) -> bool {
+    j + w + len_q > i + len_kv
+}
+
+/// Sliding window of `w` keys, top-left: key `j` is in the window of query
+/// `i` when `j > i − w`.
+pub fn top_left_in_window(i: usize, j: usize, w: usize) -> bool {
+    j + w > i
+}
+
 /// The keep mask `[batch, heads, len_q, len_kv]` given by a rule.
 pub fn mask_from(dims: &Dims, rule: impl Fn(usize, usize, usize, usize) -> bool) -> Array4<bool> {
     Array4::from_shape_fn(dims.scores(), |(b, h, i, j)| rule(b, h, i, j))
@@ -377,6 +389,8 @@ pub struct OptionSpec {
     pub keep_mask: Option<[bool; 4]>,
     pub bias: Option<[bool; 4]>,
     pub key_lengths: bool,
+    /// A sliding window of this many keys (implies causal).
+    pub window: Option<usize>,
 }
 
 pub fn alignment() -> impl Strategy<Value = Option<CausalAlignment>> {
@@ -395,14 +409,18 @@ pub fn option_spec() -> impl Strategy<Value = OptionSpec> {
         prop::option::of(any::<[bool; 4]>()),
         prop::option::of(any::<[bool; 4]>()),
         any::<bool>(),
+        prop_oneof![3 => Just(None), 1 => (1usize..=12).prop_map(Some)],
     )
-        .prop_map(|(causal, scale, keep_mask, bias, key_lengths)| OptionSpec {
-            causal,
-            scale,
-            keep_mask,
-            bias,
-            key_lengths,
-        })
+        .prop_map(
+            |(causal, scale, keep_mask, bias, key_lengths, window)| OptionSpec {
+                causal,
+                scale,
+                keep_mask,
+                bias,
+                key_lengths,
+                window,
+            },
+        )
 }
 
 /// The entry of a broadcastable `[batch, heads, len_q, len_kv]` array.
@@ -426,6 +444,7 @@ pub struct Extras<F> {
     pub keep_mask: Option<Array4<bool>>,
     pub bias: Option<Array4<F>>,
     pub key_lengths: Option<Vec<usize>>,
+    pub window: Option<usize>,
 }
 
 impl<F: Element> Extras<F> {
@@ -438,6 +457,7 @@ impl<F: Element> Extras<F> {
             keep_mask: None,
             bias: None,
             key_lengths: None,
+            window: None,
         }
     }
 
@@ -467,12 +487,16 @@ impl<F: Element> Extras<F> {
                     .map(|_| rng.below(dims.len_kv + 1))
                     .collect()
             }),
+            window: spec.window,
         }
     }
 
     /// The options for the crate.
     pub fn options(&self) -> AttentionOptions<'_, F> {
         let mut opts = AttentionOptions::new();
+        if let Some(window) = self.window {
+            opts = opts.window(window);
+        }
         if let Some(alignment) = self.causal {
             opts = opts.causal_aligned(alignment);
         }
@@ -494,12 +518,21 @@ impl<F: Element> Extras<F> {
     /// Whether query `i` of `(b, h)` may see key `j`, from the definitions.
     pub fn visible(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
         let (len_q, len_kv) = (self.dims.len_q, self.dims.len_kv);
-        let causal = match self.causal {
+        // A window implies causal, bottom-right unless aligned otherwise.
+        let alignment = self
+            .causal
+            .or(self.window.map(|_| CausalAlignment::BottomRight));
+        let causal = match alignment {
             None => true,
             Some(CausalAlignment::BottomRight) => bottom_right_visible(i, j, len_q, len_kv),
             Some(CausalAlignment::TopLeft) => top_left_visible(i, j),
         };
+        let in_window = self.window.is_none_or(|w| match alignment {
+            Some(CausalAlignment::TopLeft) => top_left_in_window(i, j, w),
+            _ => bottom_right_in_window(i, j, len_q, len_kv, w),
+        });
         causal
+            && in_window
             && self.key_lengths.as_ref().is_none_or(|l| j < l[b])
             && self
                 .keep_mask
@@ -534,6 +567,7 @@ impl<F: Element> Extras<F> {
             keep_mask: self.keep_mask.clone(),
             bias: self.bias.as_ref().map(|b| array_to_f64(&b.view())),
             key_lengths: self.key_lengths.clone(),
+            window: self.window,
         }
     }
 
