@@ -9,7 +9,7 @@ use num_traits::Float;
 // types in its signature are never visible to users.
 #[allow(private_interfaces)]
 pub(crate) mod sealed {
-    use ndarray::{ArrayView4, ArrayViewMut4};
+    use ndarray::{ArrayView4, ArrayViewMut3, ArrayViewMut4};
 
     use crate::error::AttentionError;
     use crate::options::AttentionOptions;
@@ -19,8 +19,10 @@ pub(crate) mod sealed {
     /// and routes each to its fastest path.
     /// The `Err` is for a kernel set this CPU cannot run.
     pub trait Sealed: Sized {
-        /// Computes attention into `out`. The arguments were checked by
+        /// Computes attention into `out`, and each row's log-sum-exp into
+        /// `log_sum_exp` when given. The arguments were checked by
         /// `shape::check` and `out` has the output's shape.
+        #[allow(clippy::too_many_arguments)]
         fn attention_into_checked(
             q: &ArrayView4<'_, Self>,
             k: &ArrayView4<'_, Self>,
@@ -29,10 +31,12 @@ pub(crate) mod sealed {
             shape: &AttentionShape,
             scale: Self,
             out: ArrayViewMut4<'_, Self>,
+            log_sum_exp: Option<ArrayViewMut3<'_, Self>>,
         ) -> Result<(), AttentionError>;
     }
 
     impl Sealed for f32 {
+        #[allow(clippy::too_many_arguments)]
         fn attention_into_checked(
             q: &ArrayView4<'_, f32>,
             k: &ArrayView4<'_, f32>,
@@ -41,12 +45,14 @@ pub(crate) mod sealed {
             shape: &AttentionShape,
             scale: f32,
             out: ArrayViewMut4<'_, f32>,
+            log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
         ) -> Result<(), AttentionError> {
-            crate::fused::attention_into(q, k, v, opts, shape, scale, out)
+            crate::fused::attention_into(q, k, v, opts, shape, scale, out, log_sum_exp)
         }
     }
 
     impl Sealed for f64 {
+        #[allow(clippy::too_many_arguments)]
         fn attention_into_checked(
             q: &ArrayView4<'_, f64>,
             k: &ArrayView4<'_, f64>,
@@ -55,8 +61,9 @@ pub(crate) mod sealed {
             shape: &AttentionShape,
             scale: f64,
             out: ArrayViewMut4<'_, f64>,
+            log_sum_exp: Option<ArrayViewMut3<'_, f64>>,
         ) -> Result<(), AttentionError> {
-            crate::core::attention_into_checked(q, k, v, opts, shape, scale, out);
+            crate::core::attention_into_checked(q, k, v, opts, shape, scale, out, log_sum_exp);
             Ok(())
         }
     }

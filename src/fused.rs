@@ -21,7 +21,10 @@
 //! hold a NaN or infinity take a path that skips zero weights, so `0·NaN`
 //! never happens either.
 
-use ndarray::{ArrayView2, ArrayView4, ArrayViewMut2, ArrayViewMut4, Axis};
+use ndarray::{
+    ArrayView2, ArrayView4, ArrayViewMut, ArrayViewMut1, ArrayViewMut2, ArrayViewMut3,
+    ArrayViewMut4, Axis, Dimension, RemoveAxis,
+};
 
 use crate::core::head;
 use crate::error::AttentionError;
@@ -39,6 +42,7 @@ pub(crate) const KEY_TILE: usize = 64;
 
 /// Attention on the fused path, with the kernel set the options or the
 /// environment choose.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_into(
     q: &ArrayView4<'_, f32>,
     k: &ArrayView4<'_, f32>,
@@ -47,6 +51,7 @@ pub(crate) fn attention_into(
     shape: &AttentionShape,
     scale: f32,
     out: ArrayViewMut4<'_, f32>,
+    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     let set = match opts.kernel_set {
         Some(set) => simd::check_available(set)?,
@@ -62,6 +67,7 @@ pub(crate) fn attention_into(
             shape,
             scale,
             out,
+            log_sum_exp,
         },
     )
 }
@@ -75,6 +81,7 @@ struct FusedAttention<'c, 'q, 'k, 'v, 'o> {
     shape: &'c AttentionShape,
     scale: f32,
     out: ArrayViewMut4<'c, f32>,
+    log_sum_exp: Option<ArrayViewMut3<'c, f32>>,
 }
 
 impl WithKernel for FusedAttention<'_, '_, '_, '_, '_> {
@@ -87,56 +94,79 @@ impl WithKernel for FusedAttention<'_, '_, '_, '_, '_> {
         }
         // One job per (batch, kv_head): pack its keys and values once, then
         // run every query tile of every head that shares them. Jobs and
-        // tiles run in parallel; each tile writes its own rows of `out`.
+        // tiles run in parallel; each tile writes its own rows of `out`
+        // (and of `log_sum_exp`).
         let group = shape.heads / shape.kv_heads;
-        let mut jobs = Vec::with_capacity(shape.batch * shape.kv_heads);
-        for (b, out_b) in split_into_chunks(self.out, Axis(0), 1)
+        let mut heads = heads_of(self.out)
             .into_iter()
-            .enumerate()
-        {
-            let out_heads = split_into_chunks(out_b.index_axis_move(Axis(0), 0), Axis(0), group);
-            for (kv_h, out_group) in out_heads.into_iter().enumerate() {
-                jobs.push((b, kv_h, out_group));
+            .zip(match self.log_sum_exp {
+                Some(lse) => heads_of(lse).into_iter().map(Some).collect::<Vec<_>>(),
+                None => (0..shape.batch * shape.heads)
+                    .map(|_| None)
+                    .collect::<Vec<_>>(),
+            })
+            .enumerate();
+        let mut jobs = Vec::with_capacity(shape.batch * shape.kv_heads);
+        for b in 0..shape.batch {
+            for kv_h in 0..shape.kv_heads {
+                let job_heads: Vec<_> = heads
+                    .by_ref()
+                    .take(group)
+                    .map(|(bh, views)| (bh % shape.heads, views))
+                    .collect();
+                jobs.push((b, kv_h, job_heads));
             }
         }
         let (q, k, v, opts, scale) = (self.q, self.k, self.v, self.opts, self.scale);
         for_each_with(
             jobs,
             || (),
-            |_, (b, kv_h, out_group)| {
+            |_, (b, kv_h, job_heads)| {
                 let mut packed = PackedKeysValues::new::<K>(&shape);
                 packed.pack::<K>(head(k, b, kv_h), head(v, b, kv_h));
                 let mut tiles = Vec::new();
-                for (offset, out_head) in split_into_chunks(out_group, Axis(0), 1)
-                    .into_iter()
-                    .enumerate()
-                {
-                    let h = kv_h * group + offset;
-                    let out_head = out_head.index_axis_move(Axis(0), 0);
-                    for (t, out_tile) in split_into_chunks(out_head, Axis(0), QUERY_TILE)
-                        .into_iter()
-                        .enumerate()
-                    {
+                for (h, (out_head, lse_head)) in job_heads {
+                    let out_tiles = split_into_chunks(out_head, Axis(0), QUERY_TILE);
+                    let mut lse_tiles =
+                        lse_head.map(|lse| split_into_chunks(lse, Axis(0), QUERY_TILE).into_iter());
+                    for (t, out_tile) in out_tiles.into_iter().enumerate() {
                         let at = TilePosition {
                             b,
                             h,
                             i0: t * QUERY_TILE,
                             rows: out_tile.nrows(),
                         };
-                        tiles.push((at, out_tile));
+                        let lse_tile = lse_tiles.as_mut().and_then(Iterator::next);
+                        tiles.push((at, out_tile, lse_tile));
                     }
                 }
                 for_each_with(
                     tiles,
                     || TileScratch::new::<K>(&shape),
-                    |tile, (at, mut out_tile)| {
+                    |tile, (at, mut out_tile, lse_tile)| {
                         tile.attend(kernel, &at, head(q, b, at.h), &packed, opts, &shape, scale);
-                        tile.write_output(&at, &mut out_tile);
+                        tile.write_output(&at, &mut out_tile, lse_tile);
                     },
                 );
             },
         );
     }
+}
+
+/// The `[batch·heads]` views `x[b, h]` of a `[batch, heads, …]` view, in
+/// order, each free to go to another thread.
+fn heads_of<'a, D>(
+    x: ArrayViewMut<'a, f32, D>,
+) -> Vec<ArrayViewMut<'a, f32, <D::Smaller as Dimension>::Smaller>>
+where
+    D: RemoveAxis,
+    D::Smaller: RemoveAxis,
+{
+    split_into_chunks(x, Axis(0), 1)
+        .into_iter()
+        .flat_map(|x_b| split_into_chunks(x_b.index_axis_move(Axis(0), 0), Axis(0), 1))
+        .map(|x_bh| x_bh.index_axis_move(Axis(0), 0))
+        .collect()
 }
 
 /// One key/value head packed for the kernels, padded to whole key tiles.
@@ -320,11 +350,12 @@ impl TileScratch {
     ) {
         let Some(bias) = &opts.bias else { return };
         let j1 = (j0 + KEY_TILE).min(shape.len_kv);
+        let offset = opts.key_offset();
         for r in 0..at.rows {
             let bias_row = broadcast_row(bias, at.b, at.h, at.i0 + r);
             let scores = &mut self.scores[r * KEY_TILE..][..j1 - j0];
             for (j, score) in (j0..j1).zip(scores) {
-                *score += bias_row[broadcast(bias_row.len(), j)];
+                *score += bias_row[broadcast(bias_row.len(), offset + j)];
             }
         }
     }
@@ -367,9 +398,23 @@ impl TileScratch {
         }
     }
 
-    /// Writes `O / ℓ` for the tile's rows into `out_tile`; rows that saw no
-    /// key (ℓ = 0) get zeros.
-    fn write_output(&self, at: &TilePosition, out_tile: &mut ArrayViewMut2<'_, f32>) {
+    /// Writes `O / ℓ` for the tile's rows into `out_tile`, and `m + ln ℓ`
+    /// into `log_sum_exp`; rows that saw no key (ℓ = 0) get zeros and `−inf`.
+    fn write_output(
+        &self,
+        at: &TilePosition,
+        out_tile: &mut ArrayViewMut2<'_, f32>,
+        log_sum_exp: Option<ArrayViewMut1<'_, f32>>,
+    ) {
+        if let Some(mut log_sum_exp) = log_sum_exp {
+            for (r, lse) in log_sum_exp.iter_mut().enumerate() {
+                *lse = if self.sum[r] > 0.0 {
+                    self.max[r] + self.sum[r].ln()
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+        }
         for r in 0..at.rows {
             let sum = self.sum[r];
             let o = &self.o[r * self.value_width..];

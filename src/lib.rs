@@ -9,6 +9,7 @@ mod error;
 mod fused;
 mod options;
 mod parallel;
+mod partial;
 mod sequence;
 mod shape;
 pub mod simd;
@@ -19,6 +20,7 @@ pub use attention::{Attention, AttentionConfig, CausalAttention};
 pub use element::Element;
 pub use error::{AttentionError, ErrorKind};
 pub use options::{AttentionOptions, CausalAlignment};
+pub use partial::{AttentionPartial, scaled_dot_product_attention_partial};
 pub use sequence::{Masking, simple_self_attention, single_sequence_attention};
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + bias, masked)·V`.
@@ -59,7 +61,7 @@ pub fn scaled_dot_product_attention<F: Element>(
 ) -> Result<Array4<F>, AttentionError> {
     let (shape, scale) = shape::check(&q, &k, &v, opts)?;
     let mut out = Array4::zeros(shape.output_dim());
-    F::attention_into_checked(&q, &k, &v, opts, &shape, scale, out.view_mut())?;
+    F::attention_into_checked(&q, &k, &v, opts, &shape, scale, out.view_mut(), None)?;
     Ok(out)
 }
 
@@ -89,5 +91,5 @@ pub fn scaled_dot_product_attention_into<F: Element>(
 ) -> Result<(), AttentionError> {
     let (shape, scale) = shape::check(&q, &k, &v, opts)?;
     shape::check_output(&shape, out.shape())?;
-    F::attention_into_checked(&q, &k, &v, opts, &shape, scale, out)
+    F::attention_into_checked(&q, &k, &v, opts, &shape, scale, out, None)
 }

@@ -71,6 +71,7 @@ pub struct AttentionOptions<'a, F> {
     pub(crate) bias: Option<ArrayView4<'a, F>>,
     pub(crate) key_lengths: Option<&'a [usize]>,
     pub(crate) window: Option<usize>,
+    pub(crate) key_shard: Option<KeyShard>,
     pub(crate) kernel_set: Option<KernelSet>,
 }
 
@@ -83,6 +84,7 @@ impl<F> Default for AttentionOptions<'_, F> {
             bias: None,
             key_lengths: None,
             window: None,
+            key_shard: None,
             kernel_set: None,
         }
     }
@@ -162,6 +164,23 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
         self
     }
 
+    /// Declares that the keys and values passed are a shard of a longer
+    /// sequence: keys `offset .. offset + len_kv` of `total_len_kv`. Causal
+    /// alignment, window, key lengths, keep mask and bias then refer to
+    /// positions in the whole sequence (the mask and bias have
+    /// `total_len_kv` columns, or 1). With
+    /// [`scaled_dot_product_attention_partial`](crate::scaled_dot_product_attention_partial),
+    /// this computes one shard's part of a call split across threads,
+    /// processes or machines. The call returns an error if the shard does
+    /// not fit in `total_len_kv`.
+    pub fn key_shard(mut self, offset: usize, total_len_kv: usize) -> Self {
+        self.key_shard = Some(KeyShard {
+            offset,
+            total_len_kv,
+        });
+        self
+    }
+
     /// Runs `f32` calls on this kernel set instead of the one chosen at run
     /// time (see [`crate::simd`]); for tests and benchmarks. The call
     /// returns an error if this CPU cannot run it. `f64` calls always run
@@ -170,6 +189,15 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
         self.kernel_set = Some(set);
         self
     }
+}
+
+/// Where the keys of a call sit in the whole key sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KeyShard {
+    /// Index in the whole sequence of the call's first key.
+    pub offset: usize,
+    /// Keys in the whole sequence.
+    pub total_len_kv: usize,
 }
 
 /// The keys one query row may see: a contiguous range `[start, end)` from
@@ -183,8 +211,11 @@ pub(crate) struct VisibleKeys<'m> {
     pub start: usize,
     /// Keys at index `>= end` are invisible.
     pub end: usize,
-    /// The keep-mask row for this query, of length `len_kv` or 1 (broadcast).
+    /// The keep-mask row for this query, of length `total_len_kv` or 1
+    /// (broadcast), indexed by `key_offset + j`.
     pub keep: Option<ArrayView1<'m, bool>>,
+    /// Index in the whole sequence of the call's key 0.
+    pub key_offset: usize,
 }
 
 impl VisibleKeys<'_> {
@@ -195,7 +226,7 @@ impl VisibleKeys<'_> {
             && self
                 .keep
                 .as_ref()
-                .is_none_or(|row| row[broadcast(row.len(), j)])
+                .is_none_or(|row| row[broadcast(row.len(), self.key_offset + j)])
     }
 }
 
@@ -219,8 +250,15 @@ pub(crate) fn broadcast_row<'v, T>(
 }
 
 impl<'a, F: Copy> AttentionOptions<'a, F> {
+    /// Index in the whole key sequence of the call's key 0 (see
+    /// [`key_shard`](Self::key_shard)).
+    pub(crate) fn key_offset(&self) -> usize {
+        self.key_shard.map_or(0, |shard| shard.offset)
+    }
+
     /// The contiguous visible key range `[start, end)` for query `i` of
-    /// batch item `b`, from the causal rule, the window and the key lengths.
+    /// batch item `b`, from the causal rule, the window and the key lengths,
+    /// in the call's own key indices (`len_kv` of them).
     pub(crate) fn visible_range(
         &self,
         b: usize,
@@ -228,6 +266,8 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
         len_q: usize,
         len_kv: usize,
     ) -> std::ops::Range<usize> {
+        let (offset, len_kv_local) = (self.key_offset(), len_kv);
+        let len_kv = self.key_shard.map_or(len_kv, |shard| shard.total_len_kv);
         // One past the last key the query may see under the causal rule
         // (its diagonal), before clamping to the keys there are.
         let diagonal_end = match self.causal {
@@ -242,7 +282,10 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
         };
         let key_length = self.key_lengths.map_or(len_kv, |lengths| lengths[b]);
         let end = diagonal_end.min(len_kv).min(key_length);
-        start.min(end)..end
+        // From the whole sequence's indices to the call's own.
+        let local = |j: usize| j.saturating_sub(offset).min(len_kv_local);
+        let (start, end) = (local(start.min(end)), local(end));
+        start..end
     }
 
     /// The keys visible to query `i` of batch item `b`, head `h`.
@@ -259,6 +302,7 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
         VisibleKeys {
             start: range.start,
             end: range.end,
+            key_offset: self.key_offset(),
             keep: self
                 .keep_mask
                 .as_ref()

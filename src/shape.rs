@@ -98,7 +98,23 @@ pub(crate) fn check<F: Element>(
         d_k: qs[3],
         d_v: vs[3],
     };
-    let full = [shape.batch, shape.heads, shape.len_q, shape.len_kv];
+    let total_len_kv = match opts.key_shard {
+        Some(shard) if shard.offset + shape.len_kv > shard.total_len_kv => {
+            return Err(AttentionError::new(
+                ErrorKind::InvalidOption,
+                format!(
+                    "key_shard: keys {}..{} do not fit in total_len_kv = {}: {}",
+                    shard.offset,
+                    shard.offset + shape.len_kv,
+                    shard.total_len_kv,
+                    layouts()
+                ),
+            ));
+        }
+        Some(shard) => shard.total_len_kv,
+        None => shape.len_kv,
+    };
+    let full = [shape.batch, shape.heads, shape.len_q, total_len_kv];
     if let Some(mask) = &opts.keep_mask {
         check_broadcast("keep_mask", mask.shape(), &full)?;
     }
@@ -120,13 +136,13 @@ pub(crate) fn check<F: Element>(
         if let Some((b, &len)) = lengths
             .iter()
             .enumerate()
-            .find(|&(_, &len)| len > shape.len_kv)
+            .find(|&(_, &len)| len > total_len_kv)
         {
             return Err(AttentionError::new(
                 ErrorKind::KeyLengths,
                 format!(
                     "key_lengths[{b}] = {len} is past len_kv = {}: {}",
-                    shape.len_kv,
+                    total_len_kv,
                     layouts()
                 ),
             ));

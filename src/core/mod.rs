@@ -11,8 +11,8 @@
 
 use ndarray::linalg::general_mat_mul;
 use ndarray::{
-    Array2, Array4, ArrayBase, ArrayView2, ArrayView4, ArrayViewMut1, ArrayViewMut2, ArrayViewMut4,
-    Axis, Data, DataMut, Ix4,
+    Array2, Array4, ArrayBase, ArrayView2, ArrayView4, ArrayViewMut1, ArrayViewMut2, ArrayViewMut3,
+    ArrayViewMut4, Axis, Data, DataMut, Ix4,
 };
 
 use crate::element::Element;
@@ -46,7 +46,7 @@ pub fn scaled_dot_product_attention<F: Element>(
 ) -> Result<Array4<F>, AttentionError> {
     let (shape, scale) = shape::check(&q, &k, &v, opts)?;
     let mut out = Array4::zeros(shape.output_dim());
-    attention_into_checked(&q, &k, &v, opts, &shape, scale, out.view_mut());
+    attention_into_checked(&q, &k, &v, opts, &shape, scale, out.view_mut(), None);
     Ok(out)
 }
 
@@ -65,7 +65,7 @@ pub fn scaled_dot_product_attention_into<F: Element>(
 ) -> Result<(), AttentionError> {
     let (shape, scale) = shape::check(&q, &k, &v, opts)?;
     shape::check_output(&shape, out.shape())?;
-    attention_into_checked(&q, &k, &v, opts, &shape, scale, out);
+    attention_into_checked(&q, &k, &v, opts, &shape, scale, out, None);
     Ok(())
 }
 
@@ -107,13 +107,17 @@ pub fn attention_weights<F: Element>(
                 b,
                 h,
                 head_mut(&mut weights, b, h),
+                None,
             );
         }
     }
     Ok(weights)
 }
 
-/// The reference computation on checked arguments.
+/// The reference computation on checked arguments; also writes each row's
+/// log-sum-exp of its scaled, biased, visible scores into `log_sum_exp`
+/// (`[batch, heads, len_q]`) when given.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_into_checked<F: Element>(
     q: &ArrayView4<'_, F>,
     k: &ArrayView4<'_, F>,
@@ -122,6 +126,7 @@ pub(crate) fn attention_into_checked<F: Element>(
     shape: &AttentionShape,
     scale: F,
     mut out: ArrayViewMut4<'_, F>,
+    mut log_sum_exp: Option<ArrayViewMut3<'_, F>>,
 ) {
     let mut weights = Array2::zeros((shape.len_q, shape.len_kv));
     for b in 0..shape.batch {
@@ -130,13 +135,17 @@ pub(crate) fn attention_into_checked<F: Element>(
             let kh = head(k, b, kv_h);
             let vh = head(v, b, kv_h);
             let qh = head(q, b, h);
-            head_weights(qh, kh, opts, shape, scale, b, h, weights.view_mut());
+            let lse = log_sum_exp
+                .as_mut()
+                .map(|lse| lse.index_axis_mut(Axis(0), b).index_axis_move(Axis(0), h));
+            head_weights(qh, kh, opts, shape, scale, b, h, weights.view_mut(), lse);
             weighted_values(weights.view(), vh, head_mut(&mut out, b, h));
         }
     }
 }
 
-/// One head's weights `[len_q, len_kv]` into `weights`.
+/// One head's weights `[len_q, len_kv]` into `weights`, and each row's
+/// log-sum-exp into `log_sum_exp` when given.
 #[allow(clippy::too_many_arguments)]
 fn head_weights<F: Element>(
     qh: ArrayView2<'_, F>,
@@ -147,6 +156,7 @@ fn head_weights<F: Element>(
     b: usize,
     h: usize,
     mut weights: ArrayViewMut2<'_, F>,
+    mut log_sum_exp: Option<ArrayViewMut1<'_, F>>,
 ) {
     // Scores of masked keys are computed too (a matrix product cannot skip
     // them); `softmax_row` then discards them by selection, so NaN or inf
@@ -155,30 +165,34 @@ fn head_weights<F: Element>(
     for (i, row) in weights.rows_mut().into_iter().enumerate() {
         let visible = opts.visible_keys(b, h, i, shape.len_q, shape.len_kv);
         let bias = opts.bias.as_ref().map(|bias| broadcast_row(bias, b, h, i));
-        softmax_row(row, &visible, bias.as_ref());
+        let lse = softmax_row(row, &visible, bias.as_ref());
+        if let Some(log_sum_exp) = log_sum_exp.as_mut() {
+            log_sum_exp[i] = lse;
+        }
     }
 }
 
 /// Turns one row of scaled scores into weights in place: bias added, masked
 /// keys set to exactly 0, the maximum subtracted before `exp`.
 /// A row with no visible key, or only `-inf` scores, becomes all 0.
+/// Returns the log-sum-exp of the visible scores (`-inf` for such a row).
 fn softmax_row<F: Element>(
     mut row: ArrayViewMut1<'_, F>,
     visible: &VisibleKeys<'_>,
     bias: Option<&ndarray::ArrayView1<'_, F>>,
-) {
+) -> F {
     let mut max = F::neg_infinity();
     for (j, score) in row.iter_mut().enumerate() {
         if visible.contains(j) {
             if let Some(bias) = bias {
-                *score = *score + bias[broadcast(bias.len(), j)];
+                *score = *score + bias[broadcast(bias.len(), visible.key_offset + j)];
             }
             max = max.max(*score);
         }
     }
     if max == F::neg_infinity() {
         row.fill(F::zero());
-        return;
+        return max;
     }
     let mut sum = F::zero();
     for (j, score) in row.iter_mut().enumerate() {
@@ -190,6 +204,7 @@ fn softmax_row<F: Element>(
         sum = sum + *score;
     }
     row.mapv_inplace(|w| w / sum);
+    max + sum.ln()
 }
 
 /// `out = weights · vh` for one head, where keys of weight 0 (masked ones)

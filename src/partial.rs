@@ -1,0 +1,197 @@
+//! Attention split over the keys: a partial result per key shard, and the
+//! exact merge of any number of partials in any grouping.
+//!
+//! Softmax attention over keys `A ∪ B` is a weighted mean of the attention
+//! over `A` and over `B`: with `lse_X` the log-sum-exp of row `i`'s visible
+//! scores in `X`,
+//!
+//! ```text
+//! lse = log(e^lse_A + e^lse_B)
+//! out = e^(lse_A − lse) · out_A + e^(lse_B − lse) · out_B
+//! ```
+//!
+//! This is the building block of split-KV decoding across threads and of
+//! ring or sequence-parallel attention across processes and machines: each
+//! worker computes [`scaled_dot_product_attention_partial`] on its key shard
+//! (with [`AttentionOptions::key_shard`] telling it where the shard sits, so
+//! causal masks, windows and key lengths stay right), ships the two arrays,
+//! and anyone merges them.
+
+use ndarray::{Array3, Array4, ArrayView3, ArrayView4, ArrayViewMut1, Zip};
+use num_traits::Float;
+
+use crate::element::Element;
+use crate::error::{AttentionError, shape_error};
+use crate::options::AttentionOptions;
+use crate::shape;
+
+/// Attention over a shard of the keys: the output normalised over the
+/// shard, `[batch, heads, len_q, d_v]`, and each row's log-sum-exp of its
+/// visible scaled scores in the shard, `[batch, heads, len_q]`.
+///
+/// A row that sees no key of the shard has output 0 and log-sum-exp `−inf`,
+/// and merging it changes nothing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionPartial<F> {
+    output: Array4<F>,
+    log_sum_exp: Array3<F>,
+}
+
+/// Attention over the keys and values given, as a mergeable
+/// [`AttentionPartial`]. With all the keys, its output is the attention
+/// output and its log-sum-exp the normaliser the backward pass needs.
+///
+/// Use [`AttentionOptions::key_shard`] when `k` and `v` are a shard of a
+/// longer key sequence.
+///
+/// # Errors
+/// As [`scaled_dot_product_attention`](crate::scaled_dot_product_attention).
+///
+/// ```
+/// use ndarray::{Array4, s};
+/// use sdpa::{scaled_dot_product_attention_partial, AttentionOptions, AttentionPartial};
+///
+/// let q = Array4::<f64>::from_shape_fn((1, 2, 5, 4), |(_, h, i, d)| (h + i * d) as f64 * 0.1);
+/// let kv = Array4::<f64>::from_shape_fn((1, 2, 9, 4), |(_, h, j, d)| ((h * j + d) % 5) as f64 * 0.2);
+/// // The whole call, and the same keys in two shards of 4 and 5.
+/// let whole = sdpa::core::scaled_dot_product_attention(q.view(), kv.view(), kv.view(), &AttentionOptions::new().causal())?;
+/// let first = scaled_dot_product_attention_partial(
+///     q.view(), kv.slice(s![.., .., ..4, ..]), kv.slice(s![.., .., ..4, ..]),
+///     &AttentionOptions::new().causal().key_shard(0, 9))?;
+/// let second = scaled_dot_product_attention_partial(
+///     q.view(), kv.slice(s![.., .., 4.., ..]), kv.slice(s![.., .., 4.., ..]),
+///     &AttentionOptions::new().causal().key_shard(4, 9))?;
+/// let merged = AttentionPartial::merge_all([first, second])?.into_output();
+/// assert!(merged.iter().zip(&whole).all(|(a, b)| (a - b).abs() < 1e-12));
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+pub fn scaled_dot_product_attention_partial<F: Element>(
+    q: ArrayView4<'_, F>,
+    k: ArrayView4<'_, F>,
+    v: ArrayView4<'_, F>,
+    opts: &AttentionOptions<'_, F>,
+) -> Result<AttentionPartial<F>, AttentionError> {
+    let (shape, scale) = shape::check(&q, &k, &v, opts)?;
+    let mut output = Array4::zeros(shape.output_dim());
+    let mut log_sum_exp = Array3::zeros((shape.batch, shape.heads, shape.len_q));
+    F::attention_into_checked(
+        &q,
+        &k,
+        &v,
+        opts,
+        &shape,
+        scale,
+        output.view_mut(),
+        Some(log_sum_exp.view_mut()),
+    )?;
+    Ok(AttentionPartial {
+        output,
+        log_sum_exp,
+    })
+}
+
+impl<F: Element> AttentionPartial<F> {
+    /// A partial from its two arrays, e.g. received from another machine.
+    ///
+    /// # Errors
+    /// When `log_sum_exp` is not `[batch, heads, len_q]` of `output`.
+    pub fn from_parts(output: Array4<F>, log_sum_exp: Array3<F>) -> Result<Self, AttentionError> {
+        let o = output.shape();
+        if log_sum_exp.shape() != &o[..3] {
+            return Err(shape_error(format!(
+                "log_sum_exp has shape {:?} but output {o:?} needs [batch, heads, len_q] = {:?}",
+                log_sum_exp.shape(),
+                &o[..3]
+            )));
+        }
+        Ok(Self {
+            output,
+            log_sum_exp,
+        })
+    }
+
+    /// The output over this shard's keys, `[batch, heads, len_q, d_v]`.
+    pub fn output(&self) -> ArrayView4<'_, F> {
+        self.output.view()
+    }
+
+    /// Each row's log-sum-exp over this shard, `[batch, heads, len_q]`.
+    pub fn log_sum_exp(&self) -> ArrayView3<'_, F> {
+        self.log_sum_exp.view()
+    }
+
+    /// The two arrays, to send elsewhere.
+    pub fn into_parts(self) -> (Array4<F>, Array3<F>) {
+        (self.output, self.log_sum_exp)
+    }
+
+    /// The attention output: once every shard is merged in, the result of
+    /// the unsplit call.
+    pub fn into_output(self) -> Array4<F> {
+        self.output
+    }
+
+    /// Merges `other` (attention over other keys, same queries) into `self`.
+    ///
+    /// # Errors
+    /// When the two partials' shapes differ.
+    pub fn merge(&mut self, other: &Self) -> Result<(), AttentionError> {
+        if self.output.shape() != other.output.shape() {
+            return Err(shape_error(format!(
+                "cannot merge partials of shapes {:?} and {:?}",
+                self.output.shape(),
+                other.output.shape()
+            )));
+        }
+        Zip::from(self.output.rows_mut())
+            .and(&mut self.log_sum_exp)
+            .and(other.output.rows())
+            .and(&other.log_sum_exp)
+            .for_each(|out, lse, other_out, &other_lse| {
+                merge_row(out, lse, other_out.iter().copied(), other_lse);
+            });
+        Ok(())
+    }
+
+    /// Merges any number of partials, in order.
+    ///
+    /// # Errors
+    /// When there are none, or their shapes differ.
+    pub fn merge_all(partials: impl IntoIterator<Item = Self>) -> Result<Self, AttentionError> {
+        let mut partials = partials.into_iter();
+        let mut merged = partials
+            .next()
+            .ok_or_else(|| shape_error("merge_all needs at least one partial"))?;
+        for partial in partials {
+            merged.merge(&partial)?;
+        }
+        Ok(merged)
+    }
+}
+
+/// Merges one row: `(out, lse) ← (out, lse) ⊕ (other_out, other_lse)`.
+/// A side with `lse = −inf` saw no key and contributes nothing (its output
+/// is never multiplied, so even a NaN there cannot leak).
+pub(crate) fn merge_row<F: Float>(
+    mut out: ArrayViewMut1<'_, F>,
+    lse: &mut F,
+    other_out: impl Iterator<Item = F>,
+    other_lse: F,
+) {
+    if other_lse == F::neg_infinity() {
+        return;
+    }
+    if *lse == F::neg_infinity() {
+        out.iter_mut().zip(other_out).for_each(|(x, y)| *x = y);
+        *lse = other_lse;
+        return;
+    }
+    let max = lse.max(other_lse);
+    let (own, others) = ((*lse - max).exp(), (other_lse - max).exp());
+    let total = own + others;
+    let (own, others) = (own / total, others / total);
+    out.iter_mut()
+        .zip(other_out)
+        .for_each(|(x, y)| *x = own * *x + others * y);
+    *lse = max + total.ln();
+}
