@@ -13,7 +13,7 @@
 //! - `core`: `sdpa::core::scaled_dot_product_attention_into`, the reference
 //!   (N ≤ 1024 only: it is slow and holds N² weights per head).
 //!
-//! A path is a function with the `_into` signature (see [`PATHS`]); adding
+//! A path is a function with the `_into` signature (see [`paths`]); adding
 //! a group, such as one per kernel set, is one more entry there.
 //!
 //! `cargo bench --bench attention -- sdpa/d64` runs a part of the grid;
@@ -35,34 +35,40 @@ const HEAD_DIMS: [usize; 2] = [64, 128];
 const LENGTHS: [usize; 3] = [256, 1024, 4096];
 
 /// A function computing attention into `out`, like the crate's `_into` calls.
-type IntoFn = fn(
-    ArrayView4<'_, f32>,
-    ArrayView4<'_, f32>,
-    ArrayView4<'_, f32>,
-    &AttentionOptions<'_, f32>,
-    ArrayViewMut4<'_, f32>,
-) -> Result<(), AttentionError>;
+type IntoFn = Box<
+    dyn Fn(
+        ArrayView4<'_, f32>,
+        ArrayView4<'_, f32>,
+        ArrayView4<'_, f32>,
+        &AttentionOptions<'_, f32>,
+        ArrayViewMut4<'_, f32>,
+    ) -> Result<(), AttentionError>,
+>;
 
 /// One benchmarked path: the group's name, the function, and the longest
 /// sequence it runs (slow paths skip the long ones).
 struct Path {
-    group: &'static str,
+    group: String,
     run: IntoFn,
     max_len: usize,
 }
 
-const PATHS: &[Path] = &[
-    Path {
-        group: "sdpa",
-        run: sdpa::scaled_dot_product_attention_into::<f32>,
-        max_len: usize::MAX,
-    },
-    Path {
-        group: "core",
-        run: sdpa::core::scaled_dot_product_attention_into::<f32>,
-        max_len: 1024,
-    },
-];
+/// The groups to run. A group per kernel set would be, for each set, a
+/// path whose function adds `.kernel_set(set)` to the options it is given.
+fn paths() -> Vec<Path> {
+    vec![
+        Path {
+            group: "sdpa".into(),
+            run: Box::new(sdpa::scaled_dot_product_attention_into::<f32>),
+            max_len: usize::MAX,
+        },
+        Path {
+            group: "core".into(),
+            run: Box::new(sdpa::core::scaled_dot_product_attention_into::<f32>),
+            max_len: 1024,
+        },
+    ]
+}
 
 /// One point of the grid.
 #[derive(Debug, Clone, Copy)]
@@ -156,8 +162,8 @@ impl Problem {
 }
 
 fn attention(c: &mut Criterion) {
-    for path in PATHS {
-        let mut group = c.benchmark_group(path.group);
+    for path in paths() {
+        let mut group = c.benchmark_group(&path.group);
         for shape in Shape::grid().filter(|s| s.len <= path.max_len) {
             let mut problem = Problem::new(&shape);
             let opts = shape.options();
