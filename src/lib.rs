@@ -16,7 +16,7 @@ pub mod simd;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
-pub use attention::{Attention, AttentionConfig, CausalAttention};
+pub use attention::{Attention, AttentionConfig, AttentionWeights, CausalAttention};
 pub use element::Element;
 pub use error::{AttentionError, ErrorKind};
 pub use options::{AttentionOptions, CausalAlignment};

@@ -1,13 +1,15 @@
 //! The layer types `Attention` and `CausalAttention`: output against a
-//! hand-projected reference on `sdpa::core`, f32 against f64, batch against
-//! per-item, causality, seeded initialisation, and one test per bad shape.
+//! hand-projected reference on `sdpa::core` (single-head, then multi-head
+//! with grouped key/value heads, cross-attention, biases and an output
+//! projection), f32 against f64, batch against per-item, causality, seeded
+//! initialisation, and one test per bad shape.
 
 use approx::assert_abs_diff_eq;
 use ndarray::{Array2, Array3, Array4, ArrayView2, ArrayView3, Axis, s};
 use proptest::prelude::*;
 use sdpa::{
-    Attention, AttentionConfig, AttentionError, AttentionOptions, CausalAlignment, CausalAttention,
-    ErrorKind,
+    Attention, AttentionConfig, AttentionError, AttentionOptions, AttentionWeights,
+    CausalAlignment, CausalAttention, ErrorKind,
 };
 
 /// The layer written out: project each position with `.dot`, then the
@@ -493,5 +495,699 @@ fn forward_with_key_length_past_len() {
         causal_layer().forward_with(x.view(), &AttentionOptions::new().key_lengths(&[4])),
         ErrorKind::KeyLengths,
         &["key_lengths[0] = 4"],
+    );
+}
+
+// --- multi-head layers --------------------------------------------------------
+
+/// A deterministic array filler for weights and biases (SplitMix64, entries
+/// uniform in [-1, 1)), so a proptest case is replayed from its seed.
+fn filled<D: ndarray::Dimension, Sh: ndarray::ShapeBuilder<Dim = D>>(
+    seed: u64,
+    shape: Sh,
+) -> ndarray::Array<f64, D> {
+    let mut state = seed;
+    ndarray::Array::from_shape_simple_fn(shape, || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1_u64 << 53) as f64 * 2.0 - 1.0
+    })
+}
+
+/// Random weights (and biases, if the config has them) for `config`.
+fn random_weights(config: &AttentionConfig, seed: u64) -> AttentionWeights<f64> {
+    let mut weights = Attention::<f64>::new_seeded(*config, seed)
+        .unwrap()
+        .weights()
+        .clone();
+    if config.bias {
+        // Seeded biases are zero; these are not, so the tests see them.
+        weights.b_q = weights.b_q.map(|b| filled(seed ^ 1, b.len()));
+        weights.b_k = weights.b_k.map(|b| filled(seed ^ 2, b.len()));
+        weights.b_v = weights.b_v.map(|b| filled(seed ^ 3, b.len()));
+        weights.b_o = weights.b_o.map(|b| filled(seed ^ 4, b.len()));
+    }
+    weights
+}
+
+/// The multi-head layer written out from its definition: every projection
+/// by explicit dot products, the heads copied into `[batch, heads, len, d]`
+/// arrays (key/value heads repeated for each query head that shares them),
+/// the reference attention on those, the heads concatenated by index, then
+/// the output projection.
+fn multi_head_reference(
+    config: &AttentionConfig,
+    weights: &AttentionWeights<f64>,
+    x_q: ArrayView3<'_, f64>,
+    x_kv: ArrayView3<'_, f64>,
+    opts: &AttentionOptions<'_, f64>,
+) -> Array3<f64> {
+    let project = |x: ArrayView3<'_, f64>, w: &Array2<f64>, b: &Option<ndarray::Array1<f64>>| {
+        let (batch, len, _) = x.dim();
+        Array3::from_shape_fn((batch, len, w.ncols()), |(n, i, c)| {
+            x.slice(s![n, i, ..]).dot(&w.column(c)) + b.as_ref().map_or(0.0, |b| b[c])
+        })
+    };
+    let q = project(x_q, &weights.w_q, &weights.b_q);
+    let k = project(x_kv, &weights.w_k, &weights.b_k);
+    let v = project(x_kv, &weights.w_v, &weights.b_v);
+    let (batch, len_q, len_kv) = (x_q.dim().0, x_q.dim().1, x_kv.dim().1);
+    let (heads, d_k, d_v) = (config.heads, config.d_k, config.d_v);
+    let group = heads / config.kv_heads;
+    let q4 = Array4::from_shape_fn((batch, heads, len_q, d_k), |(n, h, i, c)| {
+        q[[n, i, h * d_k + c]]
+    });
+    let k4 = Array4::from_shape_fn((batch, heads, len_kv, d_k), |(n, h, j, c)| {
+        k[[n, j, (h / group) * d_k + c]]
+    });
+    let v4 = Array4::from_shape_fn((batch, heads, len_kv, d_v), |(n, h, j, c)| {
+        v[[n, j, (h / group) * d_v + c]]
+    });
+    let out =
+        sdpa::core::scaled_dot_product_attention(q4.view(), k4.view(), v4.view(), opts).unwrap();
+    let concatenated = Array3::from_shape_fn((batch, len_q, heads * d_v), |(n, i, c)| {
+        out[[n, c / d_v, i, c % d_v]]
+    });
+    match &weights.w_o {
+        Some(w_o) => project(concatenated.view(), w_o, &weights.b_o),
+        None => concatenated,
+    }
+}
+
+/// A multi-head config (1 to 3 key/value heads, 1 to 3 query heads per
+/// group, each optional part on or off; a key/value width of its own when
+/// `cross`), its random weights, a batch of query-side inputs and one of
+/// key/value-side inputs.
+fn multi_head_case(
+    cross: bool,
+) -> impl Strategy<
+    Value = (
+        AttentionConfig,
+        AttentionWeights<f64>,
+        Array3<f64>,
+        Array3<f64>,
+    ),
+> {
+    let d_model_kv = if cross {
+        prop::option::of(1..6_usize).boxed()
+    } else {
+        Just(None).boxed()
+    };
+    (
+        (1..6_usize, 1..4_usize, 1..4_usize, 1..4_usize, 1..4_usize),
+        (d_model_kv, prop::option::of(1..6_usize), any::<bool>()),
+        (1..3_usize, 0..6_usize, 0..6_usize, any::<u64>()),
+    )
+        .prop_flat_map(
+            |(
+                (d_model, d_k, d_v, kv_heads, group),
+                (d_model_kv, d_out, bias),
+                (batch, len_q, len_kv, seed),
+            )| {
+                let mut config = AttentionConfig::new(d_model, d_k, d_v)
+                    .with_heads(kv_heads * group)
+                    .with_kv_heads(kv_heads)
+                    .with_bias(bias);
+                config.d_model_kv = d_model_kv;
+                config.d_out = d_out;
+                let weights = random_weights(&config, seed);
+                (
+                    Just(config),
+                    Just(weights),
+                    array3((batch, len_q, d_model)),
+                    array3((batch, len_kv, config.kv_input_width())),
+                )
+            },
+        )
+}
+
+/// [`multi_head_case`] for self-attention: a config, weights and inputs.
+fn self_attention_case()
+-> impl Strategy<Value = (AttentionConfig, AttentionWeights<f64>, Array3<f64>)> {
+    multi_head_case(false).prop_map(|(config, weights, x, _)| (config, weights, x))
+}
+
+proptest! {
+    #[test]
+    fn multi_head_attention_matches_the_reference((config, weights, x) in self_attention_case()) {
+        let layer = Attention::new(config, weights.clone()).unwrap();
+        let y = layer.forward_batch(x.view()).unwrap();
+        let expected = multi_head_reference(&config, &weights, x.view(), x.view(), &AttentionOptions::new());
+        prop_assert_eq!(y.dim(), (x.dim().0, x.dim().1, config.output_width()));
+        assert_abs_diff_eq!(y, expected, epsilon = 1e-12);
+    }
+
+    #[test]
+    fn multi_head_causal_attention_matches_the_reference((config, weights, x) in self_attention_case()) {
+        let layer = CausalAttention::new(config, weights.clone()).unwrap();
+        let y = layer.forward_batch(x.view()).unwrap();
+        let expected = multi_head_reference(&config, &weights, x.view(), x.view(), &AttentionOptions::new().causal());
+        assert_abs_diff_eq!(y, expected, epsilon = 1e-12);
+        // One sequence at a time gives the same rows.
+        for (b, item) in x.outer_iter().enumerate() {
+            assert_abs_diff_eq!(y.index_axis(Axis(0), b), layer.forward(item).unwrap(), epsilon = 1e-14);
+        }
+    }
+
+    #[test]
+    fn cross_attention_matches_the_reference((config, weights, x_q, x_kv) in multi_head_case(true)) {
+        let layer = Attention::new(config, weights.clone()).unwrap();
+        let y = layer.forward_cross(x_q.view(), x_kv.view()).unwrap();
+        let expected = multi_head_reference(&config, &weights, x_q.view(), x_kv.view(), &AttentionOptions::new());
+        prop_assert_eq!(y.dim(), (x_q.dim().0, x_q.dim().1, config.output_width()));
+        assert_abs_diff_eq!(y, expected, epsilon = 1e-12);
+    }
+
+    #[test]
+    fn per_head_masks_and_key_lengths_reach_each_head(
+        (config, weights, x_q, x_kv) in multi_head_case(true),
+        variant in 0..3_usize,
+    ) {
+        let (batch, len_q, len_kv) = (x_q.dim().0, x_q.dim().1, x_kv.dim().1);
+        let heads = config.heads;
+        let layer = Attention::new(config, weights.clone()).unwrap();
+        // A different pattern in every head.
+        let keep = Array4::from_shape_fn((batch, heads, len_q, len_kv), |(b, h, i, j)| !(b + h + 2 * i + 3 * j).is_multiple_of(heads + 2));
+        let bias = Array4::from_shape_fn((1, heads, len_q, len_kv), |(_, h, i, j)| -0.3 * (h + 1) as f64 * (i as f64 - j as f64).abs());
+        let lengths: Vec<usize> = (0..batch).map(|b| (b * 3 + 1) % (len_kv + 1)).collect();
+        let opts = match variant {
+            0 => AttentionOptions::new().keep_mask(keep.view()),
+            1 => AttentionOptions::new().bias(bias.view()).scale(0.5),
+            _ => AttentionOptions::new().key_lengths(&lengths),
+        };
+        let y = layer.forward_cross_with(x_q.view(), x_kv.view(), &opts).unwrap();
+        let expected = multi_head_reference(&config, &weights, x_q.view(), x_kv.view(), &opts);
+        assert_abs_diff_eq!(y, expected, epsilon = 1e-12);
+    }
+
+    #[test]
+    fn grouped_query_attention_equals_repeated_key_value_heads((config, weights, x) in self_attention_case()) {
+        // Copy each key/value head's columns once per query head that shares
+        // it: an ordinary multi-head layer that must give the same output.
+        let group = config.heads / config.kv_heads;
+        let repeat = |w: &Array2<f64>, d: usize| {
+            Array2::from_shape_fn((w.nrows(), config.heads * d), |(r, c)| w[[r, (c / d / group) * d + c % d]])
+        };
+        let repeat_bias = |b: &ndarray::Array1<f64>, d: usize| {
+            ndarray::Array1::from_shape_fn(config.heads * d, |c| b[(c / d / group) * d + c % d])
+        };
+        let mut expanded = weights.clone();
+        expanded.w_k = repeat(&weights.w_k, config.d_k);
+        expanded.w_v = repeat(&weights.w_v, config.d_v);
+        expanded.b_k = weights.b_k.as_ref().map(|b| repeat_bias(b, config.d_k));
+        expanded.b_v = weights.b_v.as_ref().map(|b| repeat_bias(b, config.d_v));
+        let grouped = CausalAttention::new(config, weights).unwrap();
+        let full = CausalAttention::new(config.with_kv_heads(config.heads), expanded).unwrap();
+        assert_abs_diff_eq!(
+            grouped.forward_batch(x.view()).unwrap(),
+            full.forward_batch(x.view()).unwrap(),
+            epsilon = 1e-12
+        );
+    }
+
+    #[test]
+    fn output_projection_is_applied_to_the_concatenated_heads((config, weights, x) in self_attention_case()) {
+        let Some(w_o) = weights.w_o.clone() else { return Ok(()) };
+        let with_output = Attention::new(config, weights.clone()).unwrap();
+        let mut without_config = config;
+        without_config.d_out = None;
+        let mut without_weights = weights.clone();
+        without_weights.w_o = None;
+        without_weights.b_o = None;
+        let without_output = Attention::new(without_config, without_weights).unwrap();
+        let heads = without_output.forward_batch(x.view()).unwrap();
+        let (batch, len, width) = heads.dim();
+        let mut expected = heads.into_shape_with_order((batch * len, width)).unwrap().dot(&w_o);
+        if let Some(b_o) = &weights.b_o {
+            expected += b_o;
+        }
+        let expected = expected.into_shape_with_order((batch, len, config.output_width())).unwrap();
+        assert_abs_diff_eq!(with_output.forward_batch(x.view()).unwrap(), expected, epsilon = 1e-12);
+    }
+
+    #[test]
+    fn cross_attention_of_a_sequence_with_itself_is_self_attention((config, weights, x) in self_attention_case()) {
+        let layer = Attention::new(config, weights).unwrap();
+        assert_eq!(layer.forward_cross(x.view(), x.view()).unwrap(), layer.forward_batch(x.view()).unwrap());
+    }
+
+    #[test]
+    fn multi_head_f32_agrees_with_f64((config, weights, x) in self_attention_case(), causal in any::<bool>()) {
+        let weights32 = {
+            let mut w = AttentionWeights::new(weights.w_q.mapv(|v| v as f32), weights.w_k.mapv(|v| v as f32), weights.w_v.mapv(|v| v as f32));
+            w.w_o = weights.w_o.as_ref().map(|m| m.mapv(|v| v as f32));
+            w.b_q = weights.b_q.as_ref().map(|b| b.mapv(|v| v as f32));
+            w.b_k = weights.b_k.as_ref().map(|b| b.mapv(|v| v as f32));
+            w.b_v = weights.b_v.as_ref().map(|b| b.mapv(|v| v as f32));
+            w.b_o = weights.b_o.as_ref().map(|b| b.mapv(|v| v as f32));
+            w
+        };
+        let x32 = x.mapv(|v| v as f32);
+        let (y32, y64) = if causal {
+            (CausalAttention::new(config, weights32).unwrap().forward_batch(x32.view()).unwrap(),
+             CausalAttention::new(config, weights).unwrap().forward_batch(x.view()).unwrap())
+        } else {
+            (Attention::new(config, weights32).unwrap().forward_batch(x32.view()).unwrap(),
+             Attention::new(config, weights).unwrap().forward_batch(x.view()).unwrap())
+        };
+        assert_abs_diff_eq!(y32.mapv(f64::from), y64, epsilon = 1e-4);
+    }
+
+    #[test]
+    fn multi_head_causal_rows_ignore_later_inputs(
+        (config, weights, x) in self_attention_case(),
+        cut in any::<prop::sample::Index>(),
+        noise in prop_oneof![Just(f64::NAN), Just(f64::INFINITY), -50.0..50.0_f64],
+    ) {
+        let len = x.dim().1;
+        if len == 0 {
+            return Ok(());
+        }
+        let cut = cut.index(len);
+        let layer = CausalAttention::new(config, weights).unwrap();
+        let y = layer.forward_batch(x.view()).unwrap();
+        let mut changed = x.clone();
+        changed.slice_mut(s![.., cut + 1.., ..]).fill(noise);
+        let y_changed = layer.forward_batch(changed.view()).unwrap();
+        assert_abs_diff_eq!(y.slice(s![.., ..=cut, ..]), y_changed.slice(s![.., ..=cut, ..]), epsilon = 1e-12);
+    }
+
+    #[test]
+    fn multi_head_seeded_weights_are_deterministic_and_within_the_xavier_bound(
+        (config, _, _) in self_attention_case(), seed in any::<u64>(),
+    ) {
+        let a = CausalAttention::<f64>::new_seeded(config, seed).unwrap();
+        prop_assert_eq!(&a, &CausalAttention::<f64>::new_seeded(config, seed).unwrap());
+        let within = |w: ArrayView2<'_, f64>, dim: (usize, usize)| {
+            let bound = (6.0 / (dim.0 + dim.1) as f64).sqrt();
+            w.dim() == dim && w.iter().all(|x| x.abs() <= bound)
+        };
+        let (d_model, heads, kv_heads) = (config.d_model, config.heads, config.kv_heads);
+        prop_assert!(within(a.w_q(), (d_model, heads * config.d_k)));
+        prop_assert!(within(a.w_k(), (d_model, kv_heads * config.d_k)));
+        prop_assert!(within(a.w_v(), (d_model, kv_heads * config.d_v)));
+        prop_assert_eq!(a.w_o().is_some(), config.d_out.is_some());
+        if let (Some(w_o), Some(d_out)) = (a.w_o(), config.d_out) {
+            prop_assert!(within(w_o, (heads * config.d_v, d_out)));
+        }
+        // Biases start at zero and do not change the draws.
+        prop_assert_eq!(a.b_q().is_some(), config.bias);
+        prop_assert_eq!(a.b_o().is_some(), config.bias && config.d_out.is_some());
+        for b in [a.b_q(), a.b_k(), a.b_v(), a.b_o()].into_iter().flatten() {
+            prop_assert!(b.iter().all(|&x| x == 0.0));
+        }
+        let without_bias = CausalAttention::<f64>::new_seeded(config.with_bias(!config.bias), seed).unwrap();
+        prop_assert_eq!(without_bias.w_q(), a.w_q());
+        prop_assert_eq!(without_bias.w_o(), a.w_o());
+    }
+}
+
+#[test]
+fn a_single_head_config_is_the_seed_layer() {
+    let config = AttentionConfig::new(5, 3, 4);
+    assert_eq!((config.heads, config.kv_heads), (1, 1));
+    assert_eq!(
+        (config.d_model_kv, config.d_out, config.bias),
+        (None, None, false)
+    );
+    assert_eq!(config.output_width(), 4);
+    assert_eq!(config.kv_input_width(), 5);
+    let seeded = Attention::<f64>::new_seeded(config, 3).unwrap();
+    let rebuilt = Attention::new(config, seeded.weights().clone()).unwrap();
+    let from_weights = Attention::from_weights(
+        seeded.w_q().to_owned(),
+        seeded.w_k().to_owned(),
+        seeded.w_v().to_owned(),
+    )
+    .unwrap();
+    assert_eq!(rebuilt, seeded);
+    assert_eq!(from_weights, seeded);
+    assert!(seeded.w_o().is_none() && seeded.b_q().is_none());
+}
+
+#[test]
+fn multi_head_config_setters() {
+    let config = AttentionConfig::new(512, 64, 32)
+        .with_heads(8)
+        .with_kv_heads(2)
+        .with_d_model_kv(256)
+        .with_output_projection(384)
+        .with_bias(true);
+    assert_eq!((config.heads, config.kv_heads), (8, 2));
+    assert_eq!(config.kv_input_width(), 256);
+    assert_eq!(config.output_width(), 384);
+    assert!(config.bias);
+    // `with_heads` sets both head counts: plain multi-head attention.
+    assert_eq!(config.with_heads(4).kv_heads, 4);
+    assert_eq!(
+        AttentionConfig::new(8, 2, 3).with_heads(4).output_width(),
+        12
+    );
+}
+
+#[test]
+fn hand_computed_two_heads() {
+    // d_model = 2, two heads of d_k = d_v = 1: head 0 reads input column 0,
+    // head 1 column 1; W^O swaps the heads.
+    let config = AttentionConfig::new(2, 1, 1)
+        .with_heads(2)
+        .with_output_projection(2);
+    let eye = Array2::<f64>::eye(2);
+    let swap = ndarray::array![[0.0, 1.0], [1.0, 0.0]];
+    let weights = AttentionWeights::new(eye.clone(), eye.clone(), eye).with_output(swap);
+    let layer = Attention::new(config, weights).unwrap();
+    // Two positions: head 0 sees scores x0_i·x0_j, head 1 x1_i·x1_j.
+    let x = ndarray::array![[1.0, 0.0], [0.0, 2.0]];
+    let y = layer.forward(x.view()).unwrap();
+    // Head 0 (column 0 values 1, 0): query 0 scores [1, 0] → weights ∝ [e, 1];
+    // query 1 scores [0, 0] → [½, ½].
+    let e = 1.0_f64.exp();
+    let head0 = [e / (e + 1.0), 0.5];
+    // Head 1 (column 1 values 0, 2): query 0 scores [0, 0] → ½·2 = 1;
+    // query 1 scores [0, 4] → 2·e⁴/(1 + e⁴).
+    let e4 = 4.0_f64.exp();
+    let head1 = [1.0, 2.0 * e4 / (1.0 + e4)];
+    // W^O swaps: output column 0 is head 1, column 1 is head 0.
+    let expected = ndarray::array![[head1[0], head0[0]], [head1[1], head0[1]]];
+    assert_abs_diff_eq!(y, expected, epsilon = 1e-15);
+}
+
+#[test]
+fn biases_are_added_to_each_projection() {
+    // Zero weights: queries and keys are their biases, so every score is
+    // equal and each output is the mean of the value biases (b_v), then
+    // projected: b_v·W^O + b_o.
+    let config = AttentionConfig::new(3, 2, 2)
+        .with_output_projection(1)
+        .with_bias(true);
+    let weights = AttentionWeights::new(
+        Array2::<f64>::zeros((3, 2)),
+        Array2::zeros((3, 2)),
+        Array2::zeros((3, 2)),
+    )
+    .with_output(ndarray::array![[1.0], [10.0]])
+    .with_biases(
+        ndarray::array![1.0, 2.0],
+        ndarray::array![3.0, 4.0],
+        ndarray::array![0.5, -1.0],
+    )
+    .with_output_bias(ndarray::array![100.0]);
+    let layer = CausalAttention::new(config, weights).unwrap();
+    let x = Array2::from_shape_fn((4, 3), |(i, j)| (i * 3 + j) as f64);
+    let y = layer.forward(x.view()).unwrap();
+    assert_abs_diff_eq!(
+        y,
+        Array2::from_elem((4, 1), 0.5 - 10.0 + 100.0),
+        epsilon = 1e-12
+    );
+}
+
+#[test]
+fn multi_head_empty_inputs_are_valid() {
+    let config = AttentionConfig::new(4, 2, 3)
+        .with_heads(2)
+        .with_d_model_kv(5)
+        .with_output_projection(6);
+    let layer = Attention::<f32>::new_seeded(config, 0).unwrap();
+    let x_q = Array3::<f32>::zeros((2, 0, 4));
+    let x_kv = Array3::<f32>::zeros((2, 3, 5));
+    assert_eq!(
+        layer.forward_cross(x_q.view(), x_kv.view()).unwrap().dim(),
+        (2, 0, 6)
+    );
+    // No keys: every query outputs zeros before W^O, so zeros after it.
+    let x_q = Array3::<f32>::ones((2, 3, 4));
+    let no_keys = Array3::<f32>::zeros((2, 0, 5));
+    let y = layer.forward_cross(x_q.view(), no_keys.view()).unwrap();
+    assert_eq!(y, Array3::zeros((2, 3, 6)));
+}
+
+// --- multi-head errors, one test per case -----------------------------------
+
+/// Two heads of d_k = 3, d_v = 2 over d_model = 4, with an output
+/// projection to 5 and biases: `W^Q` [4, 6], `W^K` [4, 6], `W^V` [4, 4],
+/// `W^O` [4, 5], `b_q` [6], `b_k` [6], `b_v` [4], `b_o` [5].
+fn two_head_config() -> AttentionConfig {
+    AttentionConfig::new(4, 3, 2)
+        .with_heads(2)
+        .with_output_projection(5)
+        .with_bias(true)
+}
+
+fn two_head_weights() -> AttentionWeights<f64> {
+    random_weights(&two_head_config(), 9)
+}
+
+#[test]
+fn new_zero_heads() {
+    let config = AttentionConfig::new(4, 2, 2).with_heads(0);
+    assert_error(
+        Attention::<f64>::new_seeded(config, 0),
+        ErrorKind::ZeroDimension,
+        &["heads = 0"],
+    );
+}
+
+#[test]
+fn new_zero_kv_heads() {
+    let config = AttentionConfig::new(4, 2, 2).with_heads(2).with_kv_heads(0);
+    assert_error(
+        CausalAttention::<f32>::new_seeded(config, 0),
+        ErrorKind::ZeroDimension,
+        &["kv_heads = 0"],
+    );
+}
+
+#[test]
+fn new_heads_not_a_multiple_of_kv_heads() {
+    let config = AttentionConfig::new(4, 2, 2).with_heads(6).with_kv_heads(4);
+    assert_error(
+        Attention::<f64>::new_seeded(config, 0),
+        ErrorKind::HeadsNotDivisible,
+        &["heads (6)", "kv_heads (4)"],
+    );
+}
+
+#[test]
+fn new_zero_d_out() {
+    let config = AttentionConfig::new(4, 2, 2).with_output_projection(0);
+    assert_error(
+        Attention::<f64>::new_seeded(config, 0),
+        ErrorKind::ZeroDimension,
+        &["d_out = Some(0)"],
+    );
+}
+
+#[test]
+fn new_zero_d_model_kv() {
+    let config = AttentionConfig::new(4, 2, 2).with_d_model_kv(0);
+    assert_error(
+        Attention::<f64>::new_seeded(config, 0),
+        ErrorKind::ZeroDimension,
+        &["d_model_kv = Some(0)"],
+    );
+}
+
+#[test]
+fn new_w_q_for_another_head_count() {
+    let mut weights = two_head_weights();
+    weights.w_q = Array2::zeros((4, 3));
+    assert_error(
+        Attention::new(two_head_config(), weights),
+        ErrorKind::ShapeMismatch,
+        &[
+            "w_q has shape [4, 3]",
+            "[d_model, heads·d_k] = [4, 6]",
+            "heads = 2",
+        ],
+    );
+}
+
+#[test]
+fn new_w_k_wrong_rows() {
+    let mut weights = two_head_weights();
+    weights.w_k = Array2::zeros((3, 6));
+    assert_error(
+        CausalAttention::new(two_head_config(), weights),
+        ErrorKind::ShapeMismatch,
+        &[
+            "w_k has shape [3, 6]",
+            "[d_model_kv, kv_heads·d_k] = [4, 6]",
+        ],
+    );
+}
+
+#[test]
+fn new_w_k_for_grouped_query_heads() {
+    // One key/value head needs w_k [4, 3], not the [4, 6] of two.
+    let config = two_head_config().with_kv_heads(1);
+    assert_error(
+        Attention::new(config, two_head_weights()),
+        ErrorKind::ShapeMismatch,
+        &["w_k has shape [4, 6]", "= [4, 3]", "kv_heads = 1"],
+    );
+}
+
+#[test]
+fn new_w_v_wrong_columns() {
+    let mut weights = two_head_weights();
+    weights.w_v = Array2::zeros((4, 5));
+    assert_error(
+        Attention::new(two_head_config(), weights),
+        ErrorKind::ShapeMismatch,
+        &[
+            "w_v has shape [4, 5]",
+            "[d_model_kv, kv_heads·d_v] = [4, 4]",
+        ],
+    );
+}
+
+#[test]
+fn new_w_o_wrong_shape() {
+    let mut weights = two_head_weights();
+    weights.w_o = Some(Array2::zeros((5, 4)));
+    assert_error(
+        Attention::new(two_head_config(), weights),
+        ErrorKind::ShapeMismatch,
+        &["w_o has shape [5, 4]", "[heads·d_v, d_out] = [4, 5]"],
+    );
+}
+
+#[test]
+fn new_w_o_missing() {
+    let mut weights = two_head_weights();
+    weights.w_o = None;
+    weights.b_o = None;
+    assert_error(
+        Attention::new(two_head_config(), weights),
+        ErrorKind::ShapeMismatch,
+        &["w_o is missing", "[4, 5]"],
+    );
+}
+
+#[test]
+fn new_w_o_given_without_an_output_projection() {
+    let mut config = two_head_config();
+    config.d_out = None;
+    let mut weights = two_head_weights();
+    weights.b_o = None;
+    assert_error(
+        CausalAttention::new(config, weights),
+        ErrorKind::ShapeMismatch,
+        &["w_o [4, 5] was given", "d_out = None"],
+    );
+}
+
+#[test]
+fn new_bias_wrong_length() {
+    let mut weights = two_head_weights();
+    weights.b_v = Some(ndarray::Array1::zeros(6));
+    assert_error(
+        Attention::new(two_head_config(), weights),
+        ErrorKind::ShapeMismatch,
+        &["b_v has shape [6]", "expected [4]"],
+    );
+}
+
+#[test]
+fn new_bias_missing() {
+    let mut weights = two_head_weights();
+    weights.b_k = None;
+    assert_error(
+        Attention::new(two_head_config(), weights),
+        ErrorKind::ShapeMismatch,
+        &["b_k is missing", "bias = true"],
+    );
+}
+
+#[test]
+fn new_bias_given_without_bias_in_the_config() {
+    let weights = two_head_weights();
+    assert_error(
+        Attention::new(two_head_config().with_bias(false), weights),
+        ErrorKind::ShapeMismatch,
+        &["b_q [6] was given", "bias = false"],
+    );
+}
+
+#[test]
+fn new_output_bias_wrong_length() {
+    let mut weights = two_head_weights();
+    weights.b_o = Some(ndarray::Array1::zeros(4));
+    assert_error(
+        CausalAttention::new(two_head_config(), weights),
+        ErrorKind::ShapeMismatch,
+        &["b_o has shape [4]", "expected [5]"],
+    );
+}
+
+#[test]
+fn causal_layer_with_its_own_key_value_width() {
+    let config = AttentionConfig::new(4, 2, 2).with_d_model_kv(6);
+    assert_error(
+        CausalAttention::<f64>::new_seeded(config, 0),
+        ErrorKind::ShapeMismatch,
+        &["d_model_kv (6)", "d_model (4)"],
+    );
+}
+
+#[test]
+fn self_attention_on_a_cross_attention_layer() {
+    let config = AttentionConfig::new(4, 2, 2).with_d_model_kv(6);
+    let layer = Attention::<f64>::new_seeded(config, 0).unwrap();
+    let x = Array3::zeros((1, 3, 4));
+    assert_error(
+        layer.forward_batch(x.view()),
+        ErrorKind::ShapeMismatch,
+        &["d_model_kv = 6", "forward_cross"],
+    );
+}
+
+#[test]
+fn forward_cross_query_width() {
+    let layer = Attention::new(two_head_config(), two_head_weights()).unwrap();
+    let (x_q, x_kv) = (Array3::zeros((1, 2, 5)), Array3::zeros((1, 3, 4)));
+    assert_error(
+        layer.forward_cross(x_q.view(), x_kv.view()),
+        ErrorKind::ShapeMismatch,
+        &["x_q has shape [1, 2, 5]", "d_model is 4"],
+    );
+}
+
+#[test]
+fn forward_cross_key_value_width() {
+    let config = AttentionConfig::new(4, 2, 2).with_d_model_kv(6);
+    let layer = Attention::<f64>::new_seeded(config, 0).unwrap();
+    let (x_q, x_kv) = (Array3::zeros((1, 2, 4)), Array3::zeros((1, 3, 4)));
+    assert_error(
+        layer.forward_cross(x_q.view(), x_kv.view()),
+        ErrorKind::ShapeMismatch,
+        &["x_kv has shape [1, 3, 4]", "d_model_kv is 6"],
+    );
+}
+
+#[test]
+fn forward_cross_batch_sizes_differ() {
+    let layer = Attention::new(two_head_config(), two_head_weights()).unwrap();
+    let (x_q, x_kv) = (Array3::zeros((2, 2, 4)), Array3::zeros((3, 3, 4)));
+    assert_error(
+        layer.forward_cross(x_q.view(), x_kv.view()),
+        ErrorKind::ShapeMismatch,
+        &["batch sizes differ", "[2, 2, 4]", "[3, 3, 4]"],
+    );
+}
+
+#[test]
+fn forward_with_a_mask_for_another_head_count() {
+    let layer = CausalAttention::new(two_head_config(), two_head_weights()).unwrap();
+    let x = Array3::zeros((1, 3, 4));
+    let keep = Array4::from_elem((1, 3, 3, 3), true);
+    assert_error(
+        layer.forward_batch_with(x.view(), &AttentionOptions::new().keep_mask(keep.view())),
+        ErrorKind::NotBroadcastable,
+        &["keep_mask", "[1, 3, 3, 3]", "[1, 2, 3, 3]"],
     );
 }
