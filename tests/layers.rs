@@ -1191,3 +1191,175 @@ fn forward_with_a_mask_for_another_head_count() {
         &["keep_mask", "[1, 3, 3, 3]", "[1, 2, 3, 3]"],
     );
 }
+
+// --- attention weights on request ------------------------------------------
+
+/// The reference weights: the heads copied out as in
+/// [`multi_head_reference`], then `sdpa::core::attention_weights`.
+fn weights_reference(
+    config: &AttentionConfig,
+    weights: &AttentionWeights<f64>,
+    x_q: ArrayView3<'_, f64>,
+    x_kv: ArrayView3<'_, f64>,
+    opts: &AttentionOptions<'_, f64>,
+) -> Array4<f64> {
+    let project = |x: ArrayView3<'_, f64>, w: &Array2<f64>, b: &Option<ndarray::Array1<f64>>| {
+        let (batch, len, _) = x.dim();
+        Array3::from_shape_fn((batch, len, w.ncols()), |(n, i, c)| {
+            x.slice(s![n, i, ..]).dot(&w.column(c)) + b.as_ref().map_or(0.0, |b| b[c])
+        })
+    };
+    let q = project(x_q, &weights.w_q, &weights.b_q);
+    let k = project(x_kv, &weights.w_k, &weights.b_k);
+    let (batch, len_q, len_kv) = (x_q.dim().0, x_q.dim().1, x_kv.dim().1);
+    let (heads, d_k) = (config.heads, config.d_k);
+    let group = heads / config.kv_heads;
+    let q4 = Array4::from_shape_fn((batch, heads, len_q, d_k), |(n, h, i, c)| {
+        q[[n, i, h * d_k + c]]
+    });
+    let k4 = Array4::from_shape_fn((batch, heads, len_kv, d_k), |(n, h, j, c)| {
+        k[[n, j, (h / group) * d_k + c]]
+    });
+    sdpa::core::attention_weights(q4.view(), k4.view(), opts).unwrap()
+}
+
+proptest! {
+    #[test]
+    fn weights_match_the_reference_and_the_output_is_unchanged(
+        (config, weights, x_q, x_kv) in multi_head_case(true),
+        masked in any::<bool>(),
+    ) {
+        let (batch, len_kv) = (x_q.dim().0, x_kv.dim().1);
+        let lengths: Vec<usize> = (0..batch).map(|b| (b + 2) % (len_kv + 1)).collect();
+        let opts = if masked { AttentionOptions::new().key_lengths(&lengths) } else { AttentionOptions::new() };
+        let layer = Attention::new(config, weights.clone()).unwrap();
+        let (y, w) = layer.forward_cross_with_weights(x_q.view(), x_kv.view(), &opts).unwrap();
+        prop_assert_eq!(y, layer.forward_cross_with(x_q.view(), x_kv.view(), &opts).unwrap());
+        prop_assert_eq!(w.dim(), (batch, config.heads, x_q.dim().1, len_kv));
+        let expected = weights_reference(&config, &weights, x_q.view(), x_kv.view(), &opts);
+        assert_abs_diff_eq!(w, expected, epsilon = 1e-12);
+        // Each row sums to 1, or is all 0 when it sees no key.
+        for row in w.rows() {
+            let sum = row.sum();
+            prop_assert!((sum - 1.0).abs() < 1e-12 || row.iter().all(|&x| x == 0.0), "row sums to {}", sum);
+        }
+    }
+
+    #[test]
+    fn self_attention_weights_for_both_layers((config, weights, x) in self_attention_case()) {
+        let bidirectional = Attention::new(config, weights.clone()).unwrap();
+        let causal = CausalAttention::new(config, weights.clone()).unwrap();
+        let opts = AttentionOptions::new();
+        let (y, w) = bidirectional.forward_batch_with_weights(x.view(), &opts).unwrap();
+        prop_assert_eq!(y, bidirectional.forward_batch(x.view()).unwrap());
+        assert_abs_diff_eq!(w, weights_reference(&config, &weights, x.view(), x.view(), &opts), epsilon = 1e-12);
+        let (y_causal, w_causal) = causal.forward_batch_with_weights(x.view(), &opts).unwrap();
+        prop_assert_eq!(y_causal, causal.forward_batch(x.view()).unwrap());
+        let causal_opts = AttentionOptions::new().causal();
+        assert_abs_diff_eq!(w_causal, weights_reference(&config, &weights, x.view(), x.view(), &causal_opts), epsilon = 1e-12);
+        // Nothing above the diagonal.
+        for ((_, _, i, j), &weight) in w_causal.indexed_iter() {
+            prop_assert!(j <= i || weight == 0.0);
+        }
+        // One sequence at a time: the same weights, without the batch axis.
+        for (b, item) in x.outer_iter().enumerate() {
+            let (y_item, w_item) = causal.forward_with_weights(item, &opts).unwrap();
+            prop_assert_eq!(y_item, causal.forward(item).unwrap());
+            prop_assert_eq!(w_item, w_causal.index_axis(Axis(0), b));
+            let (_, w_item) = bidirectional.forward_with_weights(item, &opts).unwrap();
+            prop_assert_eq!(w_item, w.index_axis(Axis(0), b));
+        }
+    }
+
+    #[test]
+    fn weights_times_values_is_the_output_without_an_output_projection((config, weights, x) in self_attention_case()) {
+        let mut config = config;
+        config.d_out = None;
+        let mut weights = weights;
+        weights.w_o = None;
+        weights.b_o = None;
+        let layer = CausalAttention::new(config, weights.clone()).unwrap();
+        let (y, w) = layer.forward_batch_with_weights(x.view(), &AttentionOptions::new()).unwrap();
+        let (batch, len, _) = x.dim();
+        let group = config.heads / config.kv_heads;
+        let d_v = config.d_v;
+        let v = x.to_shape((batch * len, config.d_model)).unwrap().dot(&weights.w_v)
+            + weights.b_v.clone().unwrap_or_else(|| ndarray::Array1::zeros(config.kv_heads * d_v));
+        let v = v.into_shape_with_order((batch, len, config.kv_heads * d_v)).unwrap();
+        let expected = Array3::from_shape_fn((batch, len, config.heads * d_v), |(n, i, c)| {
+            let (h, dv) = (c / d_v, c % d_v);
+            (0..len).map(|j| w[[n, h, i, j]] * v[[n, j, (h / group) * d_v + dv]]).sum::<f64>()
+        });
+        assert_abs_diff_eq!(y, expected, epsilon = 1e-12);
+    }
+}
+
+#[test]
+fn f32_weights_agree_with_f64() {
+    let config = AttentionConfig::new(6, 3, 2).with_heads(4).with_kv_heads(2);
+    let l32 = CausalAttention::<f32>::new_seeded(config, 5).unwrap();
+    let l64 = CausalAttention::<f64>::new_seeded(config, 5).unwrap();
+    let x = Array2::from_shape_fn((7, 6), |(i, j)| ((i * 7 + j * 3) % 11) as f64 * 0.2 - 1.0);
+    let (_, w32) = l32
+        .forward_with_weights(x.mapv(|v| v as f32).view(), &AttentionOptions::new())
+        .unwrap();
+    let (_, w64) = l64
+        .forward_with_weights(x.view(), &AttentionOptions::new())
+        .unwrap();
+    assert_eq!(w32.dim(), (4, 7, 7));
+    assert_abs_diff_eq!(w32.mapv(f64::from), w64, epsilon = 1e-5);
+}
+
+#[test]
+fn weights_follow_the_window_option() {
+    let layer =
+        CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 2, 2).with_heads(2), 8).unwrap();
+    let x = Array2::from_shape_fn((6, 4), |(i, j)| (i + j) as f64 * 0.1);
+    let (_, w) = layer
+        .forward_with_weights(x.view(), &AttentionOptions::new().window(2))
+        .unwrap();
+    for ((_, i, j), &weight) in w.indexed_iter() {
+        let visible = j <= i && i < j + 2;
+        assert_eq!(weight > 0.0, visible, "query {i}, key {j}: {weight}");
+    }
+}
+
+#[test]
+fn weights_methods_report_bad_shapes() {
+    let layer = Attention::new(two_head_config(), two_head_weights()).unwrap();
+    let causal = CausalAttention::new(two_head_config(), two_head_weights()).unwrap();
+    let opts = AttentionOptions::new();
+    let wide = Array2::zeros((3, 5));
+    assert_error(
+        layer.forward_with_weights(wide.view(), &opts),
+        ErrorKind::ShapeMismatch,
+        &["[3, 5]", "d_model is 4"],
+    );
+    assert_error(
+        causal.forward_with_weights(wide.view(), &opts),
+        ErrorKind::ShapeMismatch,
+        &["[3, 5]", "d_model is 4"],
+    );
+    let wide3 = Array3::zeros((2, 3, 5));
+    assert_error(
+        layer.forward_batch_with_weights(wide3.view(), &opts),
+        ErrorKind::ShapeMismatch,
+        &["[2, 3, 5]", "d_model is 4"],
+    );
+    assert_error(
+        causal.forward_batch_with_weights(wide3.view(), &opts),
+        ErrorKind::ShapeMismatch,
+        &["[2, 3, 5]", "d_model is 4"],
+    );
+    let x = Array3::zeros((2, 3, 4));
+    assert_error(
+        layer.forward_cross_with_weights(x.view(), wide3.view(), &opts),
+        ErrorKind::ShapeMismatch,
+        &["x_kv has shape [2, 3, 5]"],
+    );
+    assert_error(
+        layer.forward_batch_with_weights(x.view(), &AttentionOptions::new().key_lengths(&[1])),
+        ErrorKind::KeyLengths,
+        &["key_lengths"],
+    );
+}

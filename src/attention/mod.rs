@@ -19,7 +19,7 @@ mod config;
 mod init;
 mod layer;
 
-use ndarray::{Array2, Array3, ArrayView1, ArrayView2, ArrayView3};
+use ndarray::{Array2, Array3, Array4, ArrayView1, ArrayView2, ArrayView3, Axis};
 
 pub use config::{AttentionConfig, AttentionWeights};
 
@@ -51,8 +51,9 @@ use layer::Layer;
 /// scale, window, even `causal`), applied to the projected heads: see
 /// [`forward_batch_with`](Self::forward_batch_with) for the shapes.
 /// [`forward_cross`](Self::forward_cross) takes keys and values from a
-/// second sequence. For a layer that is always causal, use
-/// [`CausalAttention`].
+/// second sequence. The `_with_weights` methods also return each head's
+/// attention weights, for inspection and pictures. For a layer that is
+/// always causal, use [`CausalAttention`].
 ///
 /// ```
 /// use ndarray::Array2;
@@ -348,6 +349,41 @@ impl<F: Element> Attention<F> {
         Ok(self.layer.forward(x, opts, false)?.0)
     }
 
+    /// [`forward_with`](Self::forward_with), also returning each head's
+    /// attention weights `[heads, len, len]`: row `i` of head `h` is how
+    /// much position `i` attends to each position (summing to 1, or all 0
+    /// for a query that sees no key).
+    ///
+    /// The weights are computed only by the `_with_weights` methods, by
+    /// [`crate::core::attention_weights`] on the projected queries and keys,
+    /// which materialises `len × len` per head; the output is the one
+    /// [`forward_with`](Self::forward_with) gives, bit for bit.
+    ///
+    /// # Errors
+    /// As [`forward_with`](Self::forward_with).
+    ///
+    /// ```
+    /// use ndarray::Array2;
+    /// use sdpa::{Attention, AttentionConfig, AttentionOptions};
+    ///
+    /// let layer = Attention::<f32>::new_seeded(AttentionConfig::new(8, 4, 4).with_heads(2), 1)?;
+    /// let x = Array2::<f32>::from_shape_fn((5, 8), |(i, j)| ((i * j) % 3) as f32 - 1.0);
+    /// let (y, weights) = layer.forward_with_weights(x.view(), &AttentionOptions::new())?;
+    /// assert_eq!(y, layer.forward(x.view())?);
+    /// assert_eq!(weights.shape(), &[2, 5, 5]);
+    /// for row in weights.rows() {
+    ///     assert!((row.sum() - 1.0).abs() < 1e-5);
+    /// }
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn forward_with_weights(
+        &self,
+        x: ArrayView2<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<(Array2<F>, Array3<F>), AttentionError> {
+        with_weights_of_one_sequence(self.layer.forward(x, opts, true)?)
+    }
+
     /// Bidirectional attention over a batch `x`, `[batch, len, d_model]`;
     /// returns `[batch, len, output_width]`. Each batch item attends only
     /// within itself.
@@ -400,6 +436,20 @@ impl<F: Element> Attention<F> {
         Ok(self.layer.forward_batch(x, opts, false)?.0)
     }
 
+    /// [`forward_batch_with`](Self::forward_batch_with), also returning the
+    /// attention weights `[batch, heads, len, len]`, computed only when
+    /// asked for (see [`forward_with_weights`](Self::forward_with_weights)).
+    ///
+    /// # Errors
+    /// As [`forward_batch_with`](Self::forward_batch_with).
+    pub fn forward_batch_with_weights(
+        &self,
+        x: ArrayView3<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<(Array3<F>, Array4<F>), AttentionError> {
+        with_weights(self.layer.forward_batch(x, opts, true)?)
+    }
+
     /// Cross-attention: queries from `x_q` `[batch, len_q, d_model]`, keys
     /// and values from `x_kv` `[batch, len_kv, d_model_kv]` (a decoder
     /// attending to an encoder's output); returns
@@ -447,6 +497,21 @@ impl<F: Element> Attention<F> {
     ) -> Result<Array3<F>, AttentionError> {
         Ok(self.layer.forward_cross(x_q, x_kv, opts, false)?.0)
     }
+
+    /// [`forward_cross_with`](Self::forward_cross_with), also returning the
+    /// attention weights `[batch, heads, len_q, len_kv]`, computed only when
+    /// asked for (see [`forward_with_weights`](Self::forward_with_weights)).
+    ///
+    /// # Errors
+    /// As [`forward_cross_with`](Self::forward_cross_with).
+    pub fn forward_cross_with_weights(
+        &self,
+        x_q: ArrayView3<'_, F>,
+        x_kv: ArrayView3<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<(Array3<F>, Array4<F>), AttentionError> {
+        with_weights(self.layer.forward_cross(x_q, x_kv, opts, true)?)
+    }
 }
 
 impl<F: Element> CausalAttention<F> {
@@ -474,6 +539,34 @@ impl<F: Element> CausalAttention<F> {
         opts: &AttentionOptions<'_, F>,
     ) -> Result<Array2<F>, AttentionError> {
         Ok(self.layer.forward(x, &opts.clone().causal(), false)?.0)
+    }
+
+    /// [`forward_with`](Self::forward_with), also returning each head's
+    /// attention weights `[heads, len, len]`, zero above the diagonal. As
+    /// for [`Attention::forward_with_weights`], the weights are computed
+    /// only when asked for, and the output is the one
+    /// [`forward_with`](Self::forward_with) gives.
+    ///
+    /// # Errors
+    /// As [`forward_with`](Self::forward_with).
+    ///
+    /// ```
+    /// use ndarray::Array2;
+    /// use sdpa::{AttentionConfig, AttentionOptions, CausalAttention};
+    ///
+    /// let layer = CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 2, 2).with_heads(2), 3)?;
+    /// let x = Array2::<f64>::from_shape_fn((3, 4), |(i, j)| (i + 2 * j) as f64 * 0.1);
+    /// let (_, weights) = layer.forward_with_weights(x.view(), &AttentionOptions::new())?;
+    /// assert_eq!(weights[[1, 0, 0]], 1.0); // the first position sees only itself
+    /// assert_eq!(weights[[0, 1, 2]], 0.0); // nor does any see the future
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn forward_with_weights(
+        &self,
+        x: ArrayView2<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<(Array2<F>, Array3<F>), AttentionError> {
+        with_weights_of_one_sequence(self.layer.forward(x, &opts.clone().causal(), true)?)
     }
 
     /// Causal attention over a batch `x`, `[batch, len, d_model]`; returns
@@ -515,4 +608,38 @@ impl<F: Element> CausalAttention<F> {
             .forward_batch(x, &opts.clone().causal(), false)?
             .0)
     }
+
+    /// [`forward_batch_with`](Self::forward_batch_with), also returning the
+    /// attention weights `[batch, heads, len, len]`, computed only when
+    /// asked for.
+    ///
+    /// # Errors
+    /// As [`forward_batch_with`](Self::forward_batch_with).
+    pub fn forward_batch_with_weights(
+        &self,
+        x: ArrayView3<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<(Array3<F>, Array4<F>), AttentionError> {
+        with_weights(self.layer.forward_batch(x, &opts.clone().causal(), true)?)
+    }
+}
+
+/// The output and the weights of a call that asked for them.
+fn with_weights<F, D>(
+    (out, weights): layer::Forward<F, D>,
+) -> Result<(ndarray::Array<F, D>, Array4<F>), AttentionError> {
+    match weights {
+        Some(weights) => Ok((out, weights)),
+        // `Layer` computes them whenever asked; this is never reached.
+        None => Err(shape_error("the attention weights were not computed")),
+    }
+}
+
+/// [`with_weights`] for one sequence: weights `[1, heads, len, len]` →
+/// `[heads, len, len]`.
+fn with_weights_of_one_sequence<F>(
+    forward: layer::Forward<F, ndarray::Ix2>,
+) -> Result<(Array2<F>, Array3<F>), AttentionError> {
+    let (out, weights) = with_weights(forward)?;
+    Ok((out, weights.index_axis_move(Axis(0), 0)))
 }
