@@ -21,15 +21,18 @@
 //! hold a NaN or infinity take a path that skips zero weights, so `0·NaN`
 //! never happens either.
 
+use std::ops::Range;
+
 use ndarray::{
-    ArrayView2, ArrayView4, ArrayViewMut, ArrayViewMut1, ArrayViewMut2, ArrayViewMut3,
-    ArrayViewMut4, Axis, Dimension, RemoveAxis,
+    Array1, Array2, ArrayView2, ArrayView4, ArrayViewMut, ArrayViewMut1, ArrayViewMut2,
+    ArrayViewMut3, ArrayViewMut4, Axis, Dimension, RemoveAxis, s,
 };
 
-use crate::core::head;
+use crate::core::{head, head_mut};
 use crate::error::AttentionError;
 use crate::options::{AttentionOptions, broadcast, broadcast_row};
-use crate::parallel::{for_each_with, split_into_chunks};
+use crate::parallel::{map_with, split_into_chunks};
+use crate::partial::merge_row;
 use crate::shape::AttentionShape;
 use crate::simd::{self, Kernel, WithKernel};
 
@@ -39,6 +42,13 @@ use crate::simd::{self, Kernel, WithKernel};
 pub(crate) const QUERY_TILE: usize = 96;
 /// Keys per tile: a multiple of every kernel set's key panel.
 pub(crate) const KEY_TILE: usize = 64;
+/// Calls with at most this many query rows per head are decoding steps:
+/// keys and values are read in place, once, rather than packed.
+pub(crate) const DECODE_MAX_QUERIES: usize = 8;
+/// Keys per work item when decoding: long caches are split into chunks of
+/// this many keys whose partial results are merged. Fixed, so the result
+/// does not depend on the thread count.
+pub(crate) const DECODE_CHUNK: usize = 1024;
 
 /// Attention on the fused path, with the kernel set the options or the
 /// environment choose.
@@ -92,6 +102,9 @@ impl WithKernel for FusedAttention<'_, '_, '_, '_, '_> {
         if self.out.is_empty() {
             return;
         }
+        if reads_keys_in_place::<K>(&shape, self.k, self.v) {
+            return self.decode(kernel);
+        }
         // One job per (batch, kv_head): pack its keys and values once, then
         // run every query tile of every head that shares them. Jobs and
         // tiles run in parallel; each tile writes its own rows of `out`
@@ -118,7 +131,7 @@ impl WithKernel for FusedAttention<'_, '_, '_, '_, '_> {
             }
         }
         let (q, k, v, opts, scale) = (self.q, self.k, self.v, self.opts, self.scale);
-        for_each_with(
+        map_with(
             jobs,
             || (),
             |_, (b, kv_h, job_heads)| {
@@ -140,17 +153,125 @@ impl WithKernel for FusedAttention<'_, '_, '_, '_, '_> {
                         tiles.push((at, out_tile, lse_tile));
                     }
                 }
-                for_each_with(
+                let source = KeysValues::Packed(&packed);
+                map_with(
                     tiles,
-                    || TileScratch::new::<K>(&shape),
+                    || TileScratch::new::<K>(&shape, QUERY_TILE),
                     |tile, (at, mut out_tile, lse_tile)| {
-                        tile.attend(kernel, &at, head(q, b, at.h), &packed, opts, &shape, scale);
+                        let keys = 0..shape.len_kv;
+                        tile.attend(
+                            kernel,
+                            &at,
+                            head(q, b, at.h),
+                            &source,
+                            keys,
+                            opts,
+                            &shape,
+                            scale,
+                        );
                         tile.write_output(&at, &mut out_tile, lse_tile);
                     },
                 );
             },
         );
     }
+}
+
+impl FusedAttention<'_, '_, '_, '_, '_> {
+    /// A decoding step: few queries per head against many keys. Keys and
+    /// values are read in place, once per head, in chunks of `DECODE_CHUNK`
+    /// keys that run in parallel; each chunk's partial `(O, log-sum-exp)` is
+    /// merged in chunk order.
+    fn decode<K: Kernel>(self, kernel: K) {
+        let shape = *self.shape;
+        let (q, k, v, opts, scale) = (self.q, self.k, self.v, self.opts, self.scale);
+        let group = shape.heads / shape.kv_heads;
+        let chunks = shape.len_kv.div_ceil(DECODE_CHUNK).max(1);
+        let jobs: Vec<_> = (0..shape.batch)
+            .flat_map(|b| {
+                (0..shape.kv_heads).flat_map(move |kv_h| (0..chunks).map(move |c| (b, kv_h, c)))
+            })
+            .collect();
+        let partials = map_with(
+            jobs,
+            || TileScratch::new::<K>(&shape, shape.len_q),
+            |tile, (b, kv_h, c)| {
+                let source = KeysValues::Rows {
+                    k: head(k, b, kv_h),
+                    v: head(v, b, kv_h),
+                };
+                let keys = c * DECODE_CHUNK..((c + 1) * DECODE_CHUNK).min(shape.len_kv);
+                (kv_h * group..(kv_h + 1) * group)
+                    .map(|h| {
+                        let at = TilePosition {
+                            b,
+                            h,
+                            i0: 0,
+                            rows: shape.len_q,
+                        };
+                        tile.attend(
+                            kernel,
+                            &at,
+                            head(q, b, h),
+                            &source,
+                            keys.clone(),
+                            opts,
+                            &shape,
+                            scale,
+                        );
+                        let mut out = Array2::zeros((shape.len_q, shape.d_v));
+                        let mut lse = Array1::zeros(shape.len_q);
+                        tile.write_output(&at, &mut out.view_mut(), Some(lse.view_mut()));
+                        (out, lse)
+                    })
+                    .collect::<Vec<_>>()
+            },
+        );
+        // Jobs came out in (b, kv_h, chunk) order: merge each head's chunks.
+        let (mut out, mut log_sum_exp) = (self.out, self.log_sum_exp);
+        for (job, chunk_heads) in partials.chunks(chunks).enumerate() {
+            let (b, kv_h) = (job / shape.kv_heads, job % shape.kv_heads);
+            for g in 0..group {
+                let h = kv_h * group + g;
+                let (mut merged, mut merged_lse) = chunk_heads[0][g].clone();
+                for later in &chunk_heads[1..] {
+                    let (other, other_lse) = &later[g];
+                    for i in 0..shape.len_q {
+                        merge_row(
+                            merged.row_mut(i),
+                            &mut merged_lse[i],
+                            other.row(i).iter().copied(),
+                            other_lse[i],
+                        );
+                    }
+                }
+                head_mut(&mut out, b, h).assign(&merged);
+                if let Some(log_sum_exp) = log_sum_exp.as_mut() {
+                    log_sum_exp
+                        .index_axis_mut(Axis(0), b)
+                        .index_axis_mut(Axis(0), h)
+                        .assign(&merged_lse);
+                }
+            }
+        }
+    }
+}
+
+/// Whether the call is a decoding step whose keys and values the kernels
+/// can read in place: few queries, rows contiguous, and head dims that are
+/// whole vectors (so no row is read past its end).
+fn reads_keys_in_place<K: Kernel>(
+    shape: &AttentionShape,
+    k: &ArrayView4<'_, f32>,
+    v: &ArrayView4<'_, f32>,
+) -> bool {
+    let contiguous_rows = |x: &ArrayView4<'_, f32>| x.shape()[3] <= 1 || x.strides()[3] == 1;
+    shape.len_q <= DECODE_MAX_QUERIES
+        && shape.d_k.is_multiple_of(K::LANES)
+        && shape.d_v.is_multiple_of(K::LANES)
+        && shape.d_v > 0
+        && contiguous_rows(k)
+        && contiguous_rows(v)
 }
 
 /// The `[batch·heads]` views `x[b, h]` of a `[batch, heads, …]` view, in
@@ -173,10 +294,8 @@ where
 struct PackedKeysValues {
     /// Keys in panels of `K::KEY_PANEL`, each `[d_k][KEY_PANEL]`.
     key_panels: Vec<f32>,
-    /// Values `[len_kv padded][value_width]`.
-    values: Vec<f32>,
-    /// Columns of `values`: `d_v` rounded up to the vector width.
-    value_width: usize,
+    /// Values `[len_kv padded][d_v rounded up to the vector width]`.
+    values: Array2<f32>,
     /// Per key tile: does it hold a NaN or infinite value?
     tile_has_nonfinite_values: Vec<bool>,
 }
@@ -187,8 +306,7 @@ impl PackedKeysValues {
         let value_width = shape.d_v.div_ceil(K::LANES) * K::LANES;
         Self {
             key_panels: vec![0.0; padded_keys * shape.d_k],
-            values: vec![0.0; padded_keys * value_width],
-            value_width,
+            values: Array2::zeros((padded_keys, value_width)),
             tile_has_nonfinite_values: vec![false; padded_keys / KEY_TILE],
         }
     }
@@ -205,16 +323,29 @@ impl PackedKeysValues {
             }
         }
         self.tile_has_nonfinite_values.fill(false);
-        for (j, value) in v.rows().into_iter().enumerate() {
-            let row = &mut self.values[j * self.value_width..][..value.len()];
-            for (packed, &x) in row.iter_mut().zip(value.iter()) {
-                *packed = x;
-            }
-            if !row.iter().all(|x| x.is_finite()) {
+        for (j, (value, mut packed)) in v.rows().into_iter().zip(self.values.rows_mut()).enumerate()
+        {
+            packed
+                .iter_mut()
+                .zip(value.iter())
+                .for_each(|(packed, &x)| *packed = x);
+            if !value.iter().all(|x| x.is_finite()) {
                 self.tile_has_nonfinite_values[j / KEY_TILE] = true;
             }
         }
     }
+}
+
+/// Where a tile's keys and values come from.
+enum KeysValues<'p> {
+    /// One head packed for the register-tiled kernels (prefill).
+    Packed(&'p PackedKeysValues),
+    /// One head's `k` `[len_kv, d_k]` and `v` `[len_kv, d_v]`, read in place
+    /// from contiguous rows (decode).
+    Rows {
+        k: ArrayView2<'p, f32>,
+        v: ArrayView2<'p, f32>,
+    },
 }
 
 /// Where a query tile sits: batch item, head, first row and row count.
@@ -243,8 +374,9 @@ struct TileScratch {
 }
 
 impl TileScratch {
-    fn new<K: Kernel>(shape: &AttentionShape) -> Self {
-        let rows = QUERY_TILE.div_ceil(K::ROWS) * K::ROWS;
+    /// Buffers for tiles of up to `rows` query rows.
+    fn new<K: Kernel>(shape: &AttentionShape, rows: usize) -> Self {
+        let rows = rows.div_ceil(K::ROWS) * K::ROWS;
         let value_width = shape.d_v.div_ceil(K::LANES) * K::LANES;
         Self {
             q: vec![0.0; rows * shape.d_k],
@@ -258,21 +390,29 @@ impl TileScratch {
         }
     }
 
-    /// Runs the query tile `at` over every key tile it can see, leaving the
-    /// unnormalised output in `o` and the row sums in `sum`.
+    /// Runs the query tile `at` over every key tile in `keys` (whole tiles
+    /// but at `len_kv`) it can see, leaving the unnormalised output in `o`,
+    /// the row maxima in `max` and the row sums in `sum`.
     #[allow(clippy::too_many_arguments)]
     fn attend<K: Kernel>(
         &mut self,
         kernel: K,
         at: &TilePosition,
         q_head: ArrayView2<'_, f32>,
-        packed: &PackedKeysValues,
+        source: &KeysValues<'_>,
+        keys: Range<usize>,
         opts: &AttentionOptions<'_, f32>,
         shape: &AttentionShape,
         scale: f32,
     ) {
         let d_k = shape.d_k;
-        let rows = at.rows.div_ceil(K::ROWS) * K::ROWS;
+        // The register-tiled Q·Kᵀ kernel needs whole register tiles of rows
+        // (padding rows are computed and dropped); reading keys in place
+        // works on the real rows only.
+        let rows = match source {
+            KeysValues::Packed(_) => at.rows.div_ceil(K::ROWS) * K::ROWS,
+            KeysValues::Rows { .. } => at.rows,
+        };
         self.padded_rows = rows;
         // Scaling Q once costs len_q·d_k multiplies instead of len_q·len_kv.
         self.q[..rows * d_k].fill(0.0);
@@ -301,19 +441,28 @@ impl TileScratch {
         self.sum[..rows].fill(0.0);
         self.o[..rows * self.value_width].fill(0.0);
         let width = self.value_width;
-        for t in min_start / KEY_TILE..max_end.div_ceil(KEY_TILE) {
+        let first_tile = min_start.max(keys.start) / KEY_TILE;
+        let end_tile = max_end.min(keys.end).div_ceil(KEY_TILE);
+        for t in first_tile..end_tile {
             let j0 = t * KEY_TILE;
-            kernel.scores(
-                &self.q[..rows * d_k],
-                d_k,
-                &packed.key_panels[j0 * d_k..(j0 + KEY_TILE) * d_k],
-                &mut self.scores[..rows * KEY_TILE],
-                KEY_TILE,
-            );
+            let n = KEY_TILE.min(shape.len_kv - j0);
+            let scores = &mut self.scores[..rows * KEY_TILE];
+            match source {
+                KeysValues::Packed(packed) => {
+                    let panels = &packed.key_panels[j0 * d_k..(j0 + KEY_TILE) * d_k];
+                    kernel.scores(&self.q[..rows * d_k], d_k, panels, scores, KEY_TILE);
+                }
+                KeysValues::Rows { k, .. } => {
+                    let k_tile = k.slice(s![j0..j0 + n, ..]);
+                    kernel.row_scores(&self.q[..rows * d_k], d_k, k_tile, scores, KEY_TILE);
+                }
+            }
             if opts.bias.is_some() {
                 self.add_bias(at, j0, opts, shape);
             }
-            if opts.keep_mask.is_some() || j0 + KEY_TILE > min_end || j0 < max_start {
+            // Padding keys (past len_kv) are masked here too.
+            let masked = opts.keep_mask.is_some() || j0 + KEY_TILE > min_end || j0 < max_start;
+            if masked {
                 self.mask(at, j0, opts, shape);
             }
             kernel.softmax_rows(
@@ -324,8 +473,18 @@ impl TileScratch {
                 &mut self.sum[..rows],
                 &mut self.alpha[..rows],
             );
-            let values = &packed.values[j0 * width..(j0 + KEY_TILE) * width];
-            if packed.tile_has_nonfinite_values[t] {
+            let (values, nonfinite) = match source {
+                KeysValues::Packed(packed) => (
+                    packed.values.slice(s![j0..j0 + KEY_TILE, ..]),
+                    packed.tile_has_nonfinite_values[t],
+                ),
+                // Only a masked tile can multiply a hidden value by 0.
+                KeysValues::Rows { v, .. } => {
+                    let values = v.slice(s![j0..j0 + n, ..]);
+                    (values, masked && !values.iter().all(|x| x.is_finite()))
+                }
+            };
+            if nonfinite {
                 self.accumulate_values_skipping_zero_weights(values);
             } else {
                 kernel.accumulate_values(
@@ -381,13 +540,13 @@ impl TileScratch {
 
     /// `O = α·O + P·V` term by term, skipping zero weights so that a NaN or
     /// infinite value of a masked key cannot turn into `0·NaN`.
-    fn accumulate_values_skipping_zero_weights(&mut self, values: &[f32]) {
+    fn accumulate_values_skipping_zero_weights(&mut self, values: ArrayView2<'_, f32>) {
         let width = self.value_width;
         for r in 0..self.padded_rows {
             let o = &mut self.o[r * width..(r + 1) * width];
             let alpha = self.alpha[r];
             o.iter_mut().for_each(|x| *x *= alpha);
-            for (j, value) in values.chunks_exact(width).enumerate() {
+            for (j, value) in values.rows().into_iter().enumerate() {
                 let weight = self.scores[r * KEY_TILE + j];
                 if weight != 0.0 {
                     for (x, &v) in o.iter_mut().zip(value) {

@@ -4,13 +4,16 @@
 //! Each item is computed the same way whichever thread runs it, so results
 //! are bitwise identical for any thread count.
 
-/// Runs `work` on every item, with per-thread state made by `init`.
-pub(crate) fn for_each_with<T, S>(
+/// `work` applied to every item, with per-thread state made by `init`;
+/// the results in the items' order.
+pub(crate) fn map_with<T, S, R>(
     items: Vec<T>,
     init: impl Fn() -> S + Send + Sync,
-    work: impl Fn(&mut S, T) + Send + Sync,
-) where
+    work: impl Fn(&mut S, T) -> R + Send + Sync,
+) -> Vec<R>
+where
     T: Send,
+    R: Send,
 {
     #[cfg(feature = "rayon")]
     {
@@ -19,14 +22,16 @@ pub(crate) fn for_each_with<T, S>(
         items
             .into_par_iter()
             .with_max_len(1)
-            .for_each_init(init, work);
+            .map_init(init, work)
+            .collect()
     }
     #[cfg(not(feature = "rayon"))]
     {
         let mut state = init();
-        for item in items {
-            work(&mut state, item);
-        }
+        items
+            .into_iter()
+            .map(|item| work(&mut state, item))
+            .collect()
     }
 }
 

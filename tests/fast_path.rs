@@ -528,3 +528,37 @@ fn a_window_equals_its_definition_as_a_keep_mask() {
         }
     }
 }
+
+#[test]
+fn decoding_against_a_long_cache_matches_the_reference() {
+    // A few query rows against more keys than one decode chunk: keys are
+    // read in place and chunk partials merged.
+    let mut rng = Rng(9);
+    for set in available_kernel_sets() {
+        for (n, case) in all_cases().iter().enumerate() {
+            let len_q = 1 + n % 4;
+            let (d_k, d_v) = [(64, 64), (128, 16), (16, 128), (17, 5)][n % 4];
+            let inputs = inputs(&mut rng, 1, 4, 2, len_q, 2500 + n, d_k, d_v, 1.0);
+            check_contiguous(set, case, &inputs, 2e-6);
+        }
+    }
+}
+
+#[test]
+fn decoding_never_lets_masked_nan_through() {
+    let mut rng = Rng(10);
+    for set in available_kernel_sets() {
+        let mut inputs = inputs(&mut rng, 2, 2, 2, 2, 1500, 16, 16, 1.0);
+        // Padding keys past each item's length hold NaN and infinity.
+        inputs.key_lengths = vec![1100, 700];
+        inputs.k.slice_mut(s![1, .., 700.., ..]).fill(f64::NAN);
+        inputs.v.slice_mut(s![1, .., 700.., ..]).fill(f64::INFINITY);
+        inputs.v.slice_mut(s![0, .., 1100.., ..]).fill(f64::NAN);
+        let case = Case {
+            key_lengths: true,
+            causal: Some(CausalAlignment::BottomRight),
+            ..Case::default()
+        };
+        check_contiguous(set, &case, &inputs, 2e-6);
+    }
+}

@@ -24,6 +24,7 @@ fn output_is_bitwise_identical_for_one_two_and_three_threads() {
     for set in available_kernel_sets() {
         for (heads, kv_heads, len_q, len_kv, causal) in [
             (4, 2, 300, 300, true),
+            (2, 1, 3, 2100, true),
             (3, 3, 1, 1000, false),
             (2, 1, 97, 130, false),
             (8, 8, 5, 5, true),

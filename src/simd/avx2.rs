@@ -98,6 +98,10 @@ impl Vector for __m256 {
             _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)))
         }
     }
+    #[inline(always)]
+    unsafe fn prefetch(ptr: *const f32) {
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.cast()) }
+    }
 }
 
 impl_kernel!(

@@ -84,6 +84,10 @@ impl Vector for __m512 {
     unsafe fn reduce_sum(self) -> f32 {
         unsafe { _mm512_reduce_add_ps(self) }
     }
+    #[inline(always)]
+    unsafe fn prefetch(ptr: *const f32) {
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.cast()) }
+    }
 }
 
 impl_kernel!(

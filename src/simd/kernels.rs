@@ -16,7 +16,40 @@
 //! every buffer length, then call an instruction set's `#[target_feature]`
 //! instantiation of these functions.
 
+use ndarray::ArrayView2;
+
 use super::vector::Vector;
+
+/// Rows of a matrix in memory: row `j` starts at `ptr + j·stride`.
+#[derive(Clone, Copy)]
+pub(crate) struct Rows {
+    pub ptr: *const f32,
+    pub stride: isize,
+}
+
+impl Rows {
+    /// The rows of `view`, whose last axis must be contiguous.
+    fn of(view: &ArrayView2<'_, f32>) -> Self {
+        assert!(
+            view.ncols() <= 1 || view.strides()[1] == 1,
+            "rows must be contiguous"
+        );
+        Self {
+            ptr: view.as_ptr(),
+            stride: view.strides()[0],
+        }
+    }
+
+    /// The start of row `j`.
+    ///
+    /// # Safety
+    /// Row `j` exists in the matrix these rows describe.
+    #[inline(always)]
+    unsafe fn row(self, j: usize) -> *const f32 {
+        // SAFETY: the caller guarantees row `j` is in the matrix.
+        unsafe { self.ptr.offset(j as isize * self.stride) }
+    }
+}
 
 // e^x = 2^n · e^r with n = round(x / ln 2) and r = x − n·ln 2 in
 // [−ln2/2, ln2/2]; e^r is a degree-6 polynomial, 2^n is built in the exponent
@@ -131,6 +164,68 @@ pub(crate) unsafe fn scores<V: Vector, const MR: usize, const NV: usize>(
     }
 }
 
+/// How many rows ahead the in-place kernels ask for: at d = 128, 8 rows are
+/// 4 KiB, enough to cover memory latency at full bandwidth.
+const PREFETCH_ROWS_AHEAD: usize = 8;
+
+/// Prefetches the `len` values at the start of row `j` (a hint: the row
+/// need not exist, since prefetching reads nothing).
+#[inline(always)]
+unsafe fn prefetch_row<V: Vector>(rows: Rows, j: usize, len: usize) {
+    // SAFETY: prefetching is a hint that never faults; the address is
+    // computed with wrapping arithmetic, so it may lie past the matrix.
+    unsafe {
+        let start = rows.ptr.wrapping_offset(j as isize * rows.stride);
+        for c in (0..len).step_by(16) {
+            V::prefetch(start.wrapping_add(c));
+        }
+    }
+}
+
+/// `s[r][j] = Σ_d q[r][d] · k[j][d]` for `rows` query rows and `keys` keys
+/// read straight from their rows, vectorised along `d` (a multiple of
+/// `V::LANES`): the decoding kernel, where a few queries meet many keys and
+/// reading each key once matters more than register tiling.
+///
+/// # Safety
+/// V's instruction set is available; `q` has `rows·d` elements, `k` has
+/// `keys` rows of at least `d`, and `s` has `(rows − 1)·s_stride + keys`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn row_scores<V: Vector>(
+    q: *const f32,
+    rows: usize,
+    d: usize,
+    k: Rows,
+    keys: usize,
+    s: *mut f32,
+    s_stride: usize,
+) {
+    // SAFETY (for the whole body): offsets stay inside the sizes above.
+    unsafe {
+        for j in 0..keys {
+            let key = k.row(j);
+            prefetch_row::<V>(k, j + PREFETCH_ROWS_AHEAD, d);
+            for r in 0..rows {
+                let query = q.add(r * d);
+                // Two accumulators halve the chain of dependent FMAs.
+                let (mut even, mut odd) = (V::splat(0.0), V::splat(0.0));
+                let mut c = 0;
+                while c + 2 * V::LANES <= d {
+                    even = V::load(query.add(c)).mul_add(V::load(key.add(c)), even);
+                    odd = V::load(query.add(c + V::LANES))
+                        .mul_add(V::load(key.add(c + V::LANES)), odd);
+                    c += 2 * V::LANES;
+                }
+                if c < d {
+                    even = V::load(query.add(c)).mul_add(V::load(key.add(c)), even);
+                }
+                *s.add(r * s_stride + j) = even.add(odd).reduce_sum();
+            }
+        }
+    }
+}
+
 /// The online-softmax pass over one tile of scores, row by row:
 ///
 /// ```text
@@ -188,14 +283,13 @@ pub(crate) unsafe fn softmax_rows<V: Vector>(
     }
 }
 
-/// `o[r] ← α[r]·o[r] + Σ_j p[r][j]·v[j]` for `rows` rows (a multiple of `MR`)
-/// and `keys` keys; `v` and `o` are row-major with `value_width` columns (a
-/// multiple of `V::LANES`), taken `NV` vectors at a time.
+/// `o[r] ← α[r]·o[r] + Σ_j p[r][j]·v[j]` for `rows` rows and `keys` keys; the first `value_width` columns (a multiple of
+/// `V::LANES`) of `v`'s rows and of row-major `o`, `NV` vectors at a time.
 ///
 /// # Safety
-/// V's instruction set is available; `p` has `(rows − 1)·p_stride + keys`,
-/// `v` has `keys·value_width`, `o` has `rows·value_width` and `alpha` has
-/// `rows` elements.
+/// V's instruction set is available; `p` has `(rows − 1)·p_stride + keys`
+/// elements, `v` has `keys` rows of at least `value_width`, `o` has
+/// `rows·value_width` and `alpha` has `rows` elements.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn accumulate_values<V: Vector, const MR: usize, const NV: usize>(
@@ -203,38 +297,39 @@ pub(crate) unsafe fn accumulate_values<V: Vector, const MR: usize, const NV: usi
     rows: usize,
     keys: usize,
     p_stride: usize,
-    v: *const f32,
+    v: Rows,
     value_width: usize,
     alpha: *const f32,
     o: *mut f32,
 ) {
     let vectors = value_width / V::LANES;
-    // SAFETY (for the whole body): each block call covers rows r0..r0+MR and
-    // value vectors c0..c0+W inside the sizes the caller guarantees.
+    // SAFETY (for the whole body): each block covers rows r0..r0+MR (or the
+    // last few rows) inside the sizes the caller guarantees.
     unsafe {
-        for r0 in (0..rows).step_by(MR) {
-            let block = ValueBlock {
-                p: p.add(r0 * p_stride),
-                keys,
-                p_stride,
-                v,
-                value_width,
-                alpha: alpha.add(r0),
-                o: o.add(r0 * value_width),
-            };
-            let mut c0 = 0;
-            while c0 + NV <= vectors {
-                block.run::<V, MR, NV>(c0);
-                c0 += NV;
-            }
-            // The last few value vectors, with a narrower register tile.
-            match vectors - c0 {
-                0 => {}
-                1 => block.run::<V, MR, 1>(c0),
-                2 => block.run::<V, MR, 2>(c0),
-                3 => block.run::<V, MR, 3>(c0),
-                _ => unreachable!("NV is at most 4"),
-            }
+        let block = |r0: usize| ValueBlock {
+            p: p.add(r0 * p_stride),
+            keys,
+            p_stride,
+            v,
+            value_width,
+            alpha: alpha.add(r0),
+            o: o.add(r0 * value_width),
+        };
+        let whole = rows - rows % MR;
+        for r0 in (0..whole).step_by(MR) {
+            block(r0).run_columns::<V, MR, NV>(vectors);
+        }
+        // The last few rows (decoding has one to a few), with a shorter
+        // register tile rather than padding rows that would cost as much
+        // as real ones.
+        match rows - whole {
+            0 => {}
+            1 => block(whole).run_columns::<V, 1, NV>(vectors),
+            2 => block(whole).run_columns::<V, 2, NV>(vectors),
+            3 => block(whole).run_columns::<V, 3, NV>(vectors),
+            4 => block(whole).run_columns::<V, 4, NV>(vectors),
+            5 => block(whole).run_columns::<V, 5, NV>(vectors),
+            _ => unreachable!("MR is at most 6"),
         }
     }
 }
@@ -245,13 +340,37 @@ struct ValueBlock {
     p: *const f32,
     keys: usize,
     p_stride: usize,
-    v: *const f32,
+    v: Rows,
     value_width: usize,
     alpha: *const f32,
     o: *mut f32,
 }
 
 impl ValueBlock {
+    /// All `vectors` value vectors of the block's `MR` rows, `NV` at a time.
+    ///
+    /// # Safety
+    /// As [`accumulate_values`], for these rows.
+    #[inline(always)]
+    unsafe fn run_columns<V: Vector, const MR: usize, const NV: usize>(self, vectors: usize) {
+        // SAFETY (for the whole body): as the function's contract.
+        unsafe {
+            let mut c0 = 0;
+            while c0 + NV <= vectors {
+                self.run::<V, MR, NV>(c0);
+                c0 += NV;
+            }
+            // The last few value vectors, with a narrower register tile.
+            match vectors - c0 {
+                0 => {}
+                1 => self.run::<V, MR, 1>(c0),
+                2 => self.run::<V, MR, 2>(c0),
+                3 => self.run::<V, MR, 3>(c0),
+                _ => unreachable!("NV is at most 4"),
+            }
+        }
+    }
+
     /// Value vectors `c0..c0 + W` of the block's `MR` rows.
     ///
     /// # Safety
@@ -266,7 +385,11 @@ impl ValueBlock {
             // the rounding error of long rows at the blocked-sum level.
             let mut acc = [[V::splat(0.0); W]; MR];
             for j in 0..self.keys {
-                let v_row = self.v.add(j * self.value_width + column);
+                let v_row = self.v.row(j).add(column);
+                if c0 == 0 {
+                    // Later column blocks find the rows in L1.
+                    prefetch_row::<V>(self.v, j + PREFETCH_ROWS_AHEAD, self.value_width);
+                }
                 let v_vectors: [V; W] = std::array::from_fn(|c| V::load(v_row.add(c * V::LANES)));
                 for (r, acc_row) in acc.iter_mut().enumerate() {
                     let weight = V::splat(*self.p.add(r * self.p_stride + j));
@@ -343,10 +466,26 @@ pub(crate) trait Kernel: Copy + Send + Sync + 'static {
         rows: usize,
         keys: usize,
         p_stride: usize,
-        v: *const f32,
+        v: Rows,
         value_width: usize,
         alpha: *const f32,
         o: *mut f32,
+    );
+
+    /// [`row_scores`] with this set's vectors.
+    ///
+    /// # Safety
+    /// As [`row_scores`], but for the instruction set, which `self` proves.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn row_scores_unchecked(
+        self,
+        q: *const f32,
+        rows: usize,
+        d: usize,
+        k: Rows,
+        keys: usize,
+        s: *mut f32,
+        s_stride: usize,
     );
 
     /// [`exp`] over `len` values (a multiple of `LANES`) in place.
@@ -417,7 +556,8 @@ pub(crate) trait Kernel: Copy + Send + Sync + 'static {
     }
 
     /// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` ([`accumulate_values`]) for
-    /// the `alpha.len()` rows and the `v.len() / value_width` keys.
+    /// the `alpha.len()` rows, the keys that are `v`'s rows, and the first
+    /// `value_width` columns of `v` and `o`.
     ///
     /// # Panics
     /// When a size does not fit (a bug in the driver, never bad user input).
@@ -425,32 +565,56 @@ pub(crate) trait Kernel: Copy + Send + Sync + 'static {
         self,
         p: &[f32],
         p_stride: usize,
-        v: &[f32],
+        v: ArrayView2<'_, f32>,
         value_width: usize,
         alpha: &[f32],
         o: &mut [f32],
     ) {
-        let rows = alpha.len();
-        assert!(value_width > 0 && value_width.is_multiple_of(Self::LANES));
-        let keys = v.len() / value_width;
+        let (rows, keys) = (alpha.len(), v.nrows());
         assert!(
-            keys * value_width == v.len() && keys <= p_stride && rows.is_multiple_of(Self::ROWS)
+            value_width > 0 && value_width.is_multiple_of(Self::LANES) && v.ncols() >= value_width
         );
+        assert!(keys <= p_stride && Self::ROWS <= 6);
         assert!(rows == 0 || p.len() >= (rows - 1) * p_stride + keys);
         assert!(o.len() == rows * value_width);
-        // SAFETY: the sizes were checked above; `self` proves the CPU.
+        let v = Rows::of(&v);
+        // SAFETY: the sizes were checked above, `v`'s rows are those of a
+        // valid view; `self` proves the CPU.
         unsafe {
             self.accumulate_values_unchecked(
                 p.as_ptr(),
                 rows,
                 keys,
                 p_stride,
-                v.as_ptr(),
+                v,
                 value_width,
                 alpha.as_ptr(),
                 o.as_mut_ptr(),
             )
         }
+    }
+
+    /// `s[r][j] = q[r]·k[j]` ([`row_scores`]) for the rows of `q` (`[rows][d]`)
+    /// and the keys that are `k`'s rows, read in place.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    fn row_scores(
+        self,
+        q: &[f32],
+        d: usize,
+        k: ArrayView2<'_, f32>,
+        s: &mut [f32],
+        s_stride: usize,
+    ) {
+        assert!(d > 0 && d.is_multiple_of(Self::LANES) && k.ncols() == d);
+        let (rows, keys) = (q.len() / d, k.nrows());
+        assert!(rows * d == q.len() && keys <= s_stride);
+        assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
+        let k = Rows::of(&k);
+        // SAFETY: the sizes were checked above, `k`'s rows are those of a
+        // valid view; `self` proves the CPU.
+        unsafe { self.row_scores_unchecked(q.as_ptr(), rows, d, k, keys, s.as_mut_ptr(), s_stride) }
     }
 
     /// `e^x` in place over `x`, with this set's [`exp`].
@@ -532,16 +696,28 @@ macro_rules! impl_kernel {
             }
 
             unsafe fn accumulate_values_unchecked(
-                self, p: *const f32, rows: usize, keys: usize, p_stride: usize, v: *const f32, value_width: usize, alpha: *const f32, o: *mut f32,
+                self, p: *const f32, rows: usize, keys: usize, p_stride: usize, v: $crate::simd::kernels::Rows, value_width: usize, alpha: *const f32, o: *mut f32,
             ) {
                 $(#[$feature])*
                 #[allow(clippy::too_many_arguments)]
-                unsafe fn instance(p: *const f32, rows: usize, keys: usize, p_stride: usize, v: *const f32, value_width: usize, alpha: *const f32, o: *mut f32) {
+                unsafe fn instance(p: *const f32, rows: usize, keys: usize, p_stride: usize, v: $crate::simd::kernels::Rows, value_width: usize, alpha: *const f32, o: *mut f32) {
                     // SAFETY: forwarded contract.
                     unsafe { $crate::simd::kernels::accumulate_values::<$vector, $rows, $value_vectors>(p, rows, keys, p_stride, v, value_width, alpha, o) }
                 }
                 // SAFETY: as in `scores_unchecked`.
                 unsafe { instance(p, rows, keys, p_stride, v, value_width, alpha, o) }
+            }
+
+            unsafe fn row_scores_unchecked(
+                self, q: *const f32, rows: usize, d: usize, k: $crate::simd::kernels::Rows, keys: usize, s: *mut f32, s_stride: usize,
+            ) {
+                $(#[$feature])*
+                unsafe fn instance(q: *const f32, rows: usize, d: usize, k: $crate::simd::kernels::Rows, keys: usize, s: *mut f32, s_stride: usize) {
+                    // SAFETY: forwarded contract.
+                    unsafe { $crate::simd::kernels::row_scores::<$vector>(q, rows, d, k, keys, s, s_stride) }
+                }
+                // SAFETY: as in `scores_unchecked`.
+                unsafe { instance(q, rows, d, k, keys, s, s_stride) }
             }
 
             #[cfg(test)]

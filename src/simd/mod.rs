@@ -1,9 +1,9 @@
 //! Hand-vectorized `f32` kernels for the fused attention path, and the
 //! run-time choice of which instruction set runs them.
 //!
-//! The kernels are written once, in [`kernels`], generic over a small
-//! [`Vector`] trait (the memchr pattern). Each instruction set has a file
-//! that implements [`Vector`] for its register type and instantiates the
+//! The kernels are written once, in `kernels.rs`, generic over a small
+//! `Vector` trait (the memchr pattern). Each instruction set has a file
+//! that implements `Vector` for its register type and instantiates the
 //! generic kernels inside `#[target_feature]` functions with its own register
 //! tile sizes:
 //!

@@ -83,6 +83,11 @@ impl Vector for float32x4_t {
     unsafe fn reduce_sum(self) -> f32 {
         unsafe { vaddvq_f32(self) }
     }
+    #[inline(always)]
+    unsafe fn prefetch(_ptr: *const f32) {
+        // The hardware prefetcher follows the row streams; stable Rust has
+        // no aarch64 prefetch intrinsic.
+    }
 }
 
 impl_kernel!(

@@ -65,6 +65,8 @@ impl Vector for f32 {
     unsafe fn reduce_sum(self) -> f32 {
         self
     }
+    #[inline(always)]
+    unsafe fn prefetch(_ptr: *const f32) {}
 }
 
 impl_kernel!(Scalar, crate::simd::KernelSet::Scalar, f32, rows: 6, score_vectors: 4, value_vectors: 4,);

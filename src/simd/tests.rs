@@ -1,6 +1,8 @@
 //! Every kernel set this CPU has, against plain scalar arithmetic in f64.
 
 use super::kernels::EXP_MIN_INPUT;
+use ndarray::ArrayView2;
+
 use super::{Kernel, KernelSet, WithKernel, available_kernel_sets, with_kernel};
 
 /// Runs `job` once per available kernel set.
@@ -164,6 +166,22 @@ impl WithKernel for TileCheck {
                 );
             }
         }
+        // Keys read in place from their rows give the same scores.
+        if d.is_multiple_of(K::LANES) {
+            let k_rows = ArrayView2::from_shape((keys, d), &k).unwrap();
+            let mut in_place = vec![f32::NAN; rows * stride];
+            kernel.row_scores(&q, d, k_rows, &mut in_place, stride);
+            for r in 0..rows {
+                for j in 0..keys {
+                    let (a, b) = (in_place[r * stride + j], s[r * stride + j]);
+                    assert!(
+                        (a - b).abs() <= 1e-5 * d as f32,
+                        "{}: row_scores[{r}][{j}]",
+                        K::SET
+                    );
+                }
+            }
+        }
         // Mask one key per row, then the softmax pass from a running state.
         let original = s.clone();
         for r in 0..rows {
@@ -207,22 +225,41 @@ impl WithKernel for TileCheck {
                 K::SET
             );
         }
-        // O ← α·O + P·V.
+        // O ← α·O + P·V, for every row count (decoding has a few).
         let o_start = values(rows * width, 4);
-        let mut o = o_start.clone();
-        kernel.accumulate_values(&s, stride, &v, width, &alpha, &mut o);
-        for r in 0..rows {
-            for c in 0..width {
-                let exact: f64 = alpha[r] as f64 * o_start[r * width + c] as f64
-                    + (0..keys)
-                        .map(|j| s[r * stride + j] as f64 * v[j * width + c] as f64)
-                        .sum::<f64>();
-                assert!(
-                    (o[r * width + c] as f64 - exact).abs() < 1e-5 * keys as f64,
-                    "{}: o[{r}][{c}]",
-                    K::SET
-                );
-            }
+        let v_rows = ArrayView2::from_shape((keys, width), &v).unwrap();
+        for some in [1, 2, K::ROWS - 1, K::ROWS + 1, rows] {
+            let mut o = o_start[..some * width].to_vec();
+            kernel.accumulate_values(&s, stride, v_rows, width, &alpha[..some], &mut o);
+            check_accumulated::<K>(&o, &o_start, &s, stride, &v, width, &alpha, some, keys);
+        }
+    }
+}
+
+/// `o` against `alpha·o_start + P·V` in f64, for the first `rows` rows.
+#[allow(clippy::too_many_arguments)]
+fn check_accumulated<K: Kernel>(
+    o: &[f32],
+    o_start: &[f32],
+    s: &[f32],
+    stride: usize,
+    v: &[f32],
+    width: usize,
+    alpha: &[f32],
+    rows: usize,
+    keys: usize,
+) {
+    for r in 0..rows {
+        for c in 0..width {
+            let exact: f64 = alpha[r] as f64 * o_start[r * width + c] as f64
+                + (0..keys)
+                    .map(|j| s[r * stride + j] as f64 * v[j * width + c] as f64)
+                    .sum::<f64>();
+            assert!(
+                (o[r * width + c] as f64 - exact).abs() < 1e-5 * keys as f64,
+                "{}: o[{r}][{c}]",
+                K::SET
+            );
         }
     }
 }

@@ -38,4 +38,7 @@ pub(crate) trait Vector: Copy {
     unsafe fn reduce_max(self) -> f32;
     /// The sum of the lanes.
     unsafe fn reduce_sum(self) -> f32;
+    /// Asks the CPU to start loading the cache line at `ptr` (a hint: any
+    /// address is allowed, nothing is read).
+    unsafe fn prefetch(ptr: *const f32);
 }
