@@ -1,8 +1,9 @@
 //! [`Layer`]: the one multi-head attention implementation both public
 //! layer types wrap. It owns the config and the weights and does the
 //! projections, the head split and merge and the output projection; the
-//! attention itself is [`crate::scaled_dot_product_attention_into`], so the
-//! layers hold no attention math of their own.
+//! attention itself is [`crate::scaled_dot_product_attention_into`] (or the
+//! [`KvCache`]'s incremental form of it), so the layers hold no attention
+//! math of their own.
 //!
 //! The data path of a forward call, with `b` batch items, `h` heads and
 //! `g` key/value heads:
@@ -25,6 +26,7 @@ use super::config::{AttentionConfig, AttentionWeights, describe_config};
 use super::init::{SplitMix64, xavier_uniform};
 use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
+use crate::kv_cache::KvCache;
 use crate::options::AttentionOptions;
 
 /// A layer's output and, when asked for, its per-head weights
@@ -153,6 +155,73 @@ impl<F: Element> Layer<F> {
         }
         let projected = self.project_all(x_q, x_kv)?;
         self.attend(&projected, opts, want_weights)
+    }
+
+    /// Starts a new sequence in `cache` with the prompt `x`
+    /// `[batch, len, d_model]`: the cache is cleared (only once the
+    /// arguments are checked), then [`step`](Self::step).
+    pub(crate) fn prefill(
+        &self,
+        x: ArrayView3<'_, F>,
+        cache: &mut KvCache<F>,
+    ) -> Result<Array3<F>, AttentionError> {
+        self.check_step(x, cache)?;
+        cache.clear();
+        self.step(x, cache)
+    }
+
+    /// The newest positions `x` `[batch, len_new, d_model]` of the sequences
+    /// `cache` holds: appends their keys and values to it and attends their
+    /// queries to everything cached (see [`KvCache::attend`]).
+    pub(crate) fn step(
+        &self,
+        x: ArrayView3<'_, F>,
+        cache: &mut KvCache<F>,
+    ) -> Result<Array3<F>, AttentionError> {
+        self.check_step(x, cache)?;
+        let projected = self.project_all(x, x)?;
+        let Heads { q, k, v } = self.split_all(&projected)?;
+        let (batch, len_new, _) = projected.q.dim();
+        let mut heads_out = Array4::zeros((batch, len_new, self.config.heads, self.config.d_v));
+        cache.attend_into(q, k, v, heads_out.view_mut().permuted_axes([0, 2, 1, 3]))?;
+        self.output(heads_out)
+    }
+
+    /// An empty cache shaped for this layer: growing, or a ring of `window`.
+    pub(crate) fn new_cache(
+        &self,
+        batch: usize,
+        capacity: usize,
+        window: Option<usize>,
+    ) -> KvCache<F> {
+        let c = &self.config;
+        KvCache::allocate(batch, c.kv_heads, c.d_k, c.d_v, capacity, window)
+    }
+
+    fn check_step(&self, x: ArrayView3<'_, F>, cache: &KvCache<F>) -> Result<(), AttentionError> {
+        self.check_query_width("x", x.shape(), "[batch, len_new, d_model]")?;
+        let c = &self.config;
+        let batch = x.len_of(Axis(0));
+        if cache.batch() != batch
+            || cache.kv_heads() != c.kv_heads
+            || cache.d_k() != c.d_k
+            || cache.d_v() != c.d_v
+        {
+            return Err(shape_error(format!(
+                "the cache holds batch = {}, kv_heads = {}, d_k = {}, d_v = {}, but x {:?} = \
+                 [batch, len_new, d_model] has batch = {batch} and the layer kv_heads = {}, \
+                 d_k = {}, d_v = {}",
+                cache.batch(),
+                cache.kv_heads(),
+                cache.d_k(),
+                cache.d_v(),
+                x.shape(),
+                c.kv_heads,
+                c.d_k,
+                c.d_v
+            )));
+        }
+        Ok(())
     }
 
     /// `x_q · W^Q + b_q`, `x_kv · W^K + b_k`, `x_kv · W^V + b_v`.

@@ -1,0 +1,606 @@
+//! [`KvCache`]: the keys and values of sequences being decoded, kept
+//! between calls so that each new token attends to every earlier one
+//! without projecting them again.
+//!
+//! Two modes share one type:
+//!
+//! - **growing** ([`KvCache::new`]): every position is kept, in order, in
+//!   preallocated `[batch, kv_heads, capacity, d]` buffers; when an append
+//!   does not fit, the capacity at least doubles (one reallocation and copy
+//!   of the filled part), so appending `n` tokens one at a time costs
+//!   O(log n) reallocations, never one per token;
+//! - **ring buffer** ([`KvCache::with_window`]): for sliding-window
+//!   attention with window `W`, only the last `W` positions are kept, in `W`
+//!   slots that never grow; position `p` overwrites the slot of `p − W`.
+//!
+//! Attention over the cache ([`KvCache::attend`]) is bottom-right causal:
+//! the `n` new queries are the newest `n` positions. In a ring the keys are
+//! rotated in memory, which attention does not mind (it is invariant under a
+//! permutation of the keys), so only which keys each query may see matters:
+//! one new token sees every entry held; several new tokens are attended
+//! against the held entries unrolled into position order followed by the
+//! new ones, with the window option giving each its own range.
+//!
+//! This module only stores and copies; the attention is
+//! [`crate::scaled_dot_product_attention_into`].
+
+use ndarray::{Array4, ArrayView4, ArrayViewMut4, Axis, s};
+
+use crate::element::Element;
+use crate::error::{AttentionError, ErrorKind, shape_error};
+use crate::options::AttentionOptions;
+
+/// The keys and values of `batch` sequences being decoded, for incremental
+/// (token by token) attention: `[batch, kv_heads, len, d_k]` keys and
+/// `[batch, kv_heads, len, d_v]` values.
+///
+/// A growing cache ([`new`](Self::new)) keeps every position; its capacity
+/// at least doubles whenever an append would overflow it, so appends never
+/// reallocate per token. A ring-buffer cache
+/// ([`with_window`](Self::with_window)) keeps the last `W` positions in a
+/// fixed `W` slots, for sliding-window attention; it never reallocates.
+///
+/// [`attend`](Self::attend) appends the newest keys and values and computes
+/// attention of their queries over everything cached: the decoding step of
+/// a model that runs its own projections (say, with rotary embeddings
+/// applied to `q` and `k`). The layer methods
+/// [`CausalAttention::prefill`](crate::CausalAttention::prefill) and
+/// [`step`](crate::CausalAttention::step) do the projections too.
+///
+/// All batch items share one length: the cache holds `batch` sequences
+/// decoded in lockstep.
+///
+/// ```
+/// use ndarray::{s, Array4};
+/// use sdpa::{scaled_dot_product_attention, AttentionOptions, KvCache};
+///
+/// // 1 sequence, 4 query heads sharing 2 key/value heads, d = 8.
+/// let (q, k, v) = (
+///     Array4::<f32>::from_shape_fn((1, 4, 10, 8), |(_, h, i, d)| ((h + i * d) % 5) as f32 * 0.2),
+///     Array4::<f32>::from_shape_fn((1, 2, 10, 8), |(_, h, i, d)| ((h * i + d) % 7) as f32 * 0.1),
+///     Array4::<f32>::from_shape_fn((1, 2, 10, 8), |(_, h, i, d)| (h + i + d) as f32 * 0.05),
+/// );
+/// let mut cache = KvCache::<f32>::new(1, 2, 8, 8, 16)?;
+/// // A 6-token prompt, then one token at a time.
+/// let mut rows = vec![cache.attend(q.slice(s![.., .., ..6, ..]), k.slice(s![.., .., ..6, ..]), v.slice(s![.., .., ..6, ..]))?];
+/// for t in 6..10 {
+///     let new = s![.., .., t..t + 1, ..];
+///     rows.push(cache.attend(q.slice(new), k.slice(new), v.slice(new))?);
+/// }
+/// assert_eq!((cache.len(), cache.capacity()), (10, 16));
+///
+/// // The same as causal attention over the whole sequence at once.
+/// let full = scaled_dot_product_attention(q.view(), k.view(), v.view(), &AttentionOptions::new().causal())?;
+/// let last = rows.last().unwrap();
+/// for (a, b) in last.iter().zip(full.slice(s![.., .., 9..10, ..]).iter()) {
+///     assert!((a - b).abs() < 1e-5);
+/// }
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvCache<F> {
+    /// `[batch, kv_heads, capacity, d_k]`; slots `0..len` are filled.
+    keys: Array4<F>,
+    /// `[batch, kv_heads, capacity, d_v]`; slots `0..len` are filled.
+    values: Array4<F>,
+    /// Entries held.
+    len: usize,
+    /// Positions appended since the cache was created or cleared (less any
+    /// truncated): the position the next token will have.
+    total_len: usize,
+    /// The ring's size `W`, or `None` for a growing cache.
+    window: Option<usize>,
+    /// In a ring, the slot of the oldest entry held. Whenever the ring is
+    /// not full it is 0, so the entries held are always slots `0..len`.
+    oldest_slot: usize,
+}
+
+impl<F: Element> KvCache<F> {
+    /// An empty growing cache for `batch` sequences of `kv_heads` key/value
+    /// heads, keys `d_k` wide and values `d_v` wide, with room for
+    /// `capacity` positions before it first grows (0 is allowed).
+    ///
+    /// Growth: an append that does not fit makes the capacity
+    /// `max(2·capacity, len + new)` and copies the filled part once.
+    ///
+    /// # Errors
+    /// [`ErrorKind::ZeroDimension`] when `kv_heads`, `d_k` or `d_v` is zero.
+    ///
+    /// ```
+    /// use sdpa::KvCache;
+    ///
+    /// let cache = KvCache::<f32>::new(2, 8, 64, 64, 1024)?;
+    /// assert_eq!((cache.len(), cache.capacity(), cache.window()), (0, 1024, None));
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn new(
+        batch: usize,
+        kv_heads: usize,
+        d_k: usize,
+        d_v: usize,
+        capacity: usize,
+    ) -> Result<Self, AttentionError> {
+        check_dims(kv_heads, d_k, d_v)?;
+        Ok(Self::allocate(batch, kv_heads, d_k, d_v, capacity, None))
+    }
+
+    /// An empty ring-buffer cache for sliding-window attention: each query
+    /// sees at most the `window` most recent positions (itself included),
+    /// so the cache keeps the last `window` positions in `window` slots and
+    /// never grows. [`attend`](Self::attend) on it equals the functional
+    /// API with [`AttentionOptions::window`] over the whole sequence.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidOption`] when `window` is 0;
+    /// [`ErrorKind::ZeroDimension`] when `kv_heads`, `d_k` or `d_v` is zero.
+    ///
+    /// ```
+    /// use ndarray::Array4;
+    /// use sdpa::KvCache;
+    ///
+    /// let mut cache = KvCache::<f64>::with_window(3, 1, 1, 2, 2)?;
+    /// let x = Array4::<f64>::ones((1, 1, 1, 2));
+    /// for _ in 0..5 {
+    ///     cache.attend(x.view(), x.view(), x.view())?;
+    /// }
+    /// // Five positions seen, the last three held, in three slots.
+    /// assert_eq!((cache.total_len(), cache.len(), cache.capacity()), (5, 3, 3));
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn with_window(
+        window: usize,
+        batch: usize,
+        kv_heads: usize,
+        d_k: usize,
+        d_v: usize,
+    ) -> Result<Self, AttentionError> {
+        if window == 0 {
+            return Err(AttentionError::new(
+                ErrorKind::InvalidOption,
+                "window must be at least 1 key, got 0",
+            ));
+        }
+        check_dims(kv_heads, d_k, d_v)?;
+        Ok(Self::allocate(
+            batch,
+            kv_heads,
+            d_k,
+            d_v,
+            window,
+            Some(window),
+        ))
+    }
+
+    /// An empty cache of checked, positive dimensions.
+    pub(crate) fn allocate(
+        batch: usize,
+        kv_heads: usize,
+        d_k: usize,
+        d_v: usize,
+        capacity: usize,
+        window: Option<usize>,
+    ) -> Self {
+        Self {
+            keys: Array4::zeros((batch, kv_heads, capacity, d_k)),
+            values: Array4::zeros((batch, kv_heads, capacity, d_v)),
+            len: 0,
+            total_len: 0,
+            window,
+            oldest_slot: 0,
+        }
+    }
+
+    /// The number of entries held: `total_len()` for a growing cache, at
+    /// most the window for a ring.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the cache holds no entry.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The number of positions appended since the cache was created or
+    /// cleared (less any truncated): the position the next token will have.
+    /// Equal to [`len`](Self::len) unless a ring has dropped old entries.
+    pub fn total_len(&self) -> usize {
+        self.total_len
+    }
+
+    /// The number of entries the buffers have room for before a growing
+    /// cache must grow; a ring's window.
+    pub fn capacity(&self) -> usize {
+        self.keys.len_of(Axis(2))
+    }
+
+    /// The window of a ring-buffer cache, `None` for a growing cache.
+    pub fn window(&self) -> Option<usize> {
+        self.window
+    }
+
+    /// The number of sequences.
+    pub fn batch(&self) -> usize {
+        self.keys.len_of(Axis(0))
+    }
+
+    /// The number of key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.keys.len_of(Axis(1))
+    }
+
+    /// The width of each key.
+    pub fn d_k(&self) -> usize {
+        self.keys.len_of(Axis(3))
+    }
+
+    /// The width of each value.
+    pub fn d_v(&self) -> usize {
+        self.values.len_of(Axis(3))
+    }
+
+    /// The keys held, `[batch, kv_heads, len, d_k]`: a view of the filled
+    /// part of the buffer. In a growing cache, entry `j` is position `j`.
+    /// In a full ring the entries are rotated: position `p` is in slot
+    /// `p mod window`.
+    pub fn keys(&self) -> ArrayView4<'_, F> {
+        self.keys.slice(s![.., .., ..self.len, ..])
+    }
+
+    /// The values held, `[batch, kv_heads, len, d_v]`, in the same order as
+    /// [`keys`](Self::keys).
+    pub fn values(&self) -> ArrayView4<'_, F> {
+        self.values.slice(s![.., .., ..self.len, ..])
+    }
+
+    /// Empties the cache for a new sequence, keeping its buffers.
+    pub fn clear(&mut self) {
+        self.len = 0;
+        self.total_len = 0;
+        self.oldest_slot = 0;
+    }
+
+    /// Drops the newest positions so that `total_len` positions remain
+    /// (rolling back rejected tokens, say); nothing happens if `total_len`
+    /// is not below [`total_len()`](Self::total_len). The buffers are kept.
+    ///
+    /// A ring can only go back as far as it still holds what the next
+    /// query needs: the `window − 1` positions before it. Once the ring has
+    /// overwritten anything, that is one position back.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidOption`] when a ring would have to bring back
+    /// positions it has overwritten; the cache is unchanged.
+    ///
+    /// ```
+    /// use ndarray::Array4;
+    /// use sdpa::KvCache;
+    ///
+    /// let mut cache = KvCache::<f32>::new(1, 1, 4, 4, 8)?;
+    /// let x = Array4::<f32>::ones((1, 1, 5, 4));
+    /// cache.append(x.view(), x.view())?;
+    /// cache.truncate(3)?;
+    /// assert_eq!((cache.len(), cache.total_len()), (3, 3));
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn truncate(&mut self, total_len: usize) -> Result<(), AttentionError> {
+        if total_len >= self.total_len {
+            return Ok(());
+        }
+        let Some(window) = self.window else {
+            self.len = total_len;
+            self.total_len = total_len;
+            return Ok(());
+        };
+        let first_held = self.total_len - self.len;
+        let kept = total_len.saturating_sub(first_held);
+        let needed = total_len.min(window - 1);
+        if kept < needed {
+            return Err(AttentionError::new(
+                ErrorKind::InvalidOption,
+                format!(
+                    "cannot truncate a ring-buffer cache (window {window}) to {total_len} \
+                     positions: it holds positions {first_held}..{}, and the next query would \
+                     need positions {}..{total_len}",
+                    self.total_len,
+                    total_len - needed
+                ),
+            ));
+        }
+        // Keep positions first_held..total_len, unrolled into slots 0.. so
+        // that the ring, no longer full, holds a prefix of its slots.
+        self.keys = self.unrolled(&self.keys, kept, window);
+        self.values = self.unrolled(&self.values, kept, window);
+        self.len = kept;
+        self.total_len = total_len;
+        self.oldest_slot = 0;
+        Ok(())
+    }
+
+    /// Appends the keys `k` `[batch, kv_heads, n, d_k]` and values `v`
+    /// `[batch, kv_heads, n, d_v]` of the next `n` positions. A growing
+    /// cache grows if they do not fit (see [`new`](Self::new)); a ring
+    /// keeps the last `window` positions.
+    ///
+    /// # Errors
+    /// [`ErrorKind::ShapeMismatch`] when `k` or `v` does not match the
+    /// cache's batch, heads and widths, or they disagree on `n`; the cache
+    /// is unchanged.
+    pub fn append(
+        &mut self,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+    ) -> Result<(), AttentionError> {
+        self.check_new(&k, &v)?;
+        self.push(k, v);
+        Ok(())
+    }
+
+    /// One decoding step at the level of the functional API: appends the
+    /// keys `k` `[batch, kv_heads, n, d_k]` and values `v`
+    /// `[batch, kv_heads, n, d_v]` of the next `n` positions, then returns
+    /// the attention of their queries `q` `[batch, heads, n, d_k]` over
+    /// everything cached, `[batch, heads, n, d_v]`.
+    ///
+    /// Causal, bottom-right aligned: query `i` is position
+    /// `total_len + i` and sees every cached position up to itself (only
+    /// the last `window` of them, in a ring). So a prompt attended at once
+    /// and then one token at a time gives what
+    /// [`crate::scaled_dot_product_attention`] with `.causal()` (or
+    /// `.window(W)`) gives over the whole sequence. `heads` must be a
+    /// multiple of `kv_heads` (grouped-query attention); the scale is
+    /// `1/√d_k`. `n = 0` is valid and changes nothing.
+    ///
+    /// # Errors
+    /// [`ErrorKind::ShapeMismatch`] when `q`, `k` or `v` does not match the
+    /// cache or each other (batch, `n`, `d_k`, `kv_heads`);
+    /// [`ErrorKind::ZeroDimension`] when `heads` is 0;
+    /// [`ErrorKind::HeadsNotDivisible`] when `heads` is not a multiple of
+    /// `kv_heads`. The cache is unchanged on error.
+    pub fn attend(
+        &mut self,
+        q: ArrayView4<'_, F>,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+    ) -> Result<Array4<F>, AttentionError> {
+        let (batch, heads, n, _) = q.dim();
+        let mut out = Array4::zeros((batch, heads, n, self.d_v()));
+        self.attend_into(q, k, v, out.view_mut())?;
+        Ok(out)
+    }
+
+    /// [`attend`](Self::attend) writing into `out`
+    /// `[batch, heads, n, d_v]` (any strides); allocates no output.
+    ///
+    /// # Errors
+    /// As [`attend`](Self::attend), and when `out` does not have the
+    /// output's shape.
+    pub fn attend_into(
+        &mut self,
+        q: ArrayView4<'_, F>,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+        out: ArrayViewMut4<'_, F>,
+    ) -> Result<(), AttentionError> {
+        self.check_new(&k, &v)?;
+        self.check_queries(&q, &k, out.shape())?;
+        let n = q.len_of(Axis(2));
+        if n == 0 {
+            return Ok(());
+        }
+        match self.window {
+            // One new token sees every entry held, whatever their order,
+            // once it has overwritten the one entry that fell out of its
+            // window.
+            Some(_) if n == 1 => {
+                self.push(k, v);
+                self.attend_held(q, &AttentionOptions::new(), out)
+            }
+            Some(window) => {
+                // Several new tokens need different ranges: the held
+                // entries in position order, then the new ones, under the
+                // window option. Written to the ring only afterwards, as
+                // they would overwrite entries the first new queries see.
+                let opts = AttentionOptions::new().window(window);
+                if self.len == 0 {
+                    crate::scaled_dot_product_attention_into(q, k, v, &opts, out)?;
+                } else {
+                    let (keys, values) = self.unrolled_with(&k, &v);
+                    crate::scaled_dot_product_attention_into(
+                        q,
+                        keys.view(),
+                        values.view(),
+                        &opts,
+                        out,
+                    )?;
+                }
+                self.push(k, v);
+                Ok(())
+            }
+            None => {
+                self.push(k, v);
+                self.attend_held(q, &AttentionOptions::new().causal(), out)
+            }
+        }
+    }
+
+    /// Attention of `q` over the entries held.
+    fn attend_held(
+        &self,
+        q: ArrayView4<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+        out: ArrayViewMut4<'_, F>,
+    ) -> Result<(), AttentionError> {
+        crate::scaled_dot_product_attention_into(q, self.keys(), self.values(), opts, out)
+    }
+
+    /// The entries held in position order, followed by `k`, `v`.
+    fn unrolled_with(
+        &self,
+        k: &ArrayView4<'_, F>,
+        v: &ArrayView4<'_, F>,
+    ) -> (Array4<F>, Array4<F>) {
+        let room = self.len + k.len_of(Axis(2));
+        let mut keys = self.unrolled(&self.keys, self.len, room);
+        let mut values = self.unrolled(&self.values, self.len, room);
+        keys.slice_mut(s![.., .., self.len.., ..]).assign(k);
+        values.slice_mut(s![.., .., self.len.., ..]).assign(v);
+        (keys, values)
+    }
+
+    /// A copy of `buffer` (the keys' or the values') with room for `room`
+    /// entries, holding its oldest `count` entries in position order in
+    /// `0..count`. The entries run from the oldest slot to the end of the
+    /// buffer, then from its start.
+    fn unrolled(&self, buffer: &Array4<F>, count: usize, room: usize) -> Array4<F> {
+        let (batch, kv_heads, capacity, d) = buffer.dim();
+        let mut out = Array4::zeros((batch, kv_heads, room, d));
+        let oldest = self.oldest_slot;
+        let to_end = (capacity - oldest).min(count);
+        out.slice_mut(s![.., .., ..to_end, ..])
+            .assign(&buffer.slice(s![.., .., oldest..oldest + to_end, ..]));
+        out.slice_mut(s![.., .., to_end..count, ..])
+            .assign(&buffer.slice(s![.., .., ..count - to_end, ..]));
+        out
+    }
+
+    /// Stores checked `k`, `v` as the next positions.
+    fn push(&mut self, k: ArrayView4<'_, F>, v: ArrayView4<'_, F>) {
+        let n = k.len_of(Axis(2));
+        match self.window {
+            None => {
+                let needed = self.len + n;
+                if needed > self.capacity() {
+                    self.grow(needed.max(2 * self.capacity()));
+                }
+                let range = s![.., .., self.len..needed, ..];
+                self.keys.slice_mut(range).assign(&k);
+                self.values.slice_mut(range).assign(&v);
+                self.len = needed;
+            }
+            Some(window) => {
+                // Only the last `window` new positions survive.
+                let skip = n.saturating_sub(window);
+                for t in skip..n {
+                    let slot = if self.len < window {
+                        self.len += 1;
+                        self.len - 1
+                    } else {
+                        let slot = self.oldest_slot;
+                        self.oldest_slot = (slot + 1) % window;
+                        slot
+                    };
+                    self.keys
+                        .slice_mut(s![.., .., slot, ..])
+                        .assign(&k.slice(s![.., .., t, ..]));
+                    self.values
+                        .slice_mut(s![.., .., slot, ..])
+                        .assign(&v.slice(s![.., .., t, ..]));
+                }
+            }
+        }
+        self.total_len += n;
+    }
+
+    /// Reallocates a growing cache's buffers with room for `capacity`
+    /// entries, copying the filled part.
+    fn grow(&mut self, capacity: usize) {
+        let (batch, kv_heads, d_k, d_v) = (self.batch(), self.kv_heads(), self.d_k(), self.d_v());
+        let mut keys = Array4::zeros((batch, kv_heads, capacity, d_k));
+        let mut values = Array4::zeros((batch, kv_heads, capacity, d_v));
+        keys.slice_mut(s![.., .., ..self.len, ..])
+            .assign(&self.keys());
+        values
+            .slice_mut(s![.., .., ..self.len, ..])
+            .assign(&self.values());
+        self.keys = keys;
+        self.values = values;
+    }
+
+    /// Checks new keys and values against the cache and each other.
+    fn check_new(
+        &self,
+        k: &ArrayView4<'_, F>,
+        v: &ArrayView4<'_, F>,
+    ) -> Result<(), AttentionError> {
+        let (ks, vs) = (k.shape(), v.shape());
+        let cache = [self.batch(), self.kv_heads(), self.d_k(), self.d_v()];
+        let fits = ks[0] == cache[0]
+            && vs[0] == cache[0]
+            && ks[1] == cache[1]
+            && vs[1] == cache[1]
+            && ks[3] == cache[2]
+            && vs[3] == cache[3]
+            && ks[2] == vs[2];
+        if !fits {
+            return Err(shape_error(format!(
+                "k {ks:?} = [batch, kv_heads, n, d_k] and v {vs:?} = [batch, kv_heads, n, d_v] \
+                 do not fit the cache: batch = {}, kv_heads = {}, d_k = {}, d_v = {}, and the \
+                 same n for both",
+                cache[0], cache[1], cache[2], cache[3]
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks the queries of a step against the new keys and `out`.
+    fn check_queries(
+        &self,
+        q: &ArrayView4<'_, F>,
+        k: &ArrayView4<'_, F>,
+        out: &[usize],
+    ) -> Result<(), AttentionError> {
+        let (qs, ks) = (q.shape(), k.shape());
+        let layouts = || {
+            format!(
+                "q {qs:?} = [batch, heads, n, d_k], k {ks:?} = [batch, kv_heads, n, d_k], \
+                 cache d_v = {}",
+                self.d_v()
+            )
+        };
+        if qs[0] != ks[0] || qs[2] != ks[2] || qs[3] != ks[3] {
+            return Err(shape_error(format!(
+                "q and k disagree on batch, n or d_k: {}",
+                layouts()
+            )));
+        }
+        if qs[1] == 0 {
+            return Err(AttentionError::new(
+                ErrorKind::ZeroDimension,
+                format!("heads must be positive: {}", layouts()),
+            ));
+        }
+        if !qs[1].is_multiple_of(ks[1]) {
+            return Err(AttentionError::new(
+                ErrorKind::HeadsNotDivisible,
+                format!(
+                    "heads ({}) must be a multiple of kv_heads ({}): {}",
+                    qs[1],
+                    ks[1],
+                    layouts()
+                ),
+            ));
+        }
+        let expected = [qs[0], qs[1], qs[2], self.d_v()];
+        if out != expected {
+            return Err(shape_error(format!(
+                "out has shape {out:?} but the output is [batch, heads, n, d_v] = {expected:?}: {}",
+                layouts()
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn check_dims(kv_heads: usize, d_k: usize, d_v: usize) -> Result<(), AttentionError> {
+    if kv_heads == 0 || d_k == 0 || d_v == 0 {
+        return Err(AttentionError::new(
+            ErrorKind::ZeroDimension,
+            format!(
+                "kv_heads, d_k and d_v must be positive, got kv_heads = {kv_heads}, d_k = {d_k}, \
+                 d_v = {d_v}"
+            ),
+        ));
+    }
+    Ok(())
+}
