@@ -8,16 +8,17 @@
 //! the name "elements/s": `85.3 Gelem/s` means 85.3 GFLOP/s.
 //!
 //! Groups, one per path, each over the same grid:
-//! - `sdpa`: `sdpa::scaled_dot_product_attention_into`, what users call
-//!   (for `f32`, the fast path with the kernel set chosen at run time);
 //! - `core`: `sdpa::core::scaled_dot_product_attention_into`, the reference
-//!   (N ≤ 1024 only: it is slow and holds N² weights per head).
+//!   (N ≤ 1024 only: it is slow and holds N² weights per head);
+//! - `fused_<set>`: `sdpa::scaled_dot_product_attention_into`, the fused
+//!   path, forced to each kernel set this CPU has (`fused_avx512`, …).
 //!
-//! A path is a function with the `_into` signature (see [`paths`]); adding
-//! a group, such as one per kernel set, is one more entry there.
+//! Then `decode`: one query row per head against a KV cache of S keys
+//! (H = 32, d = 128), throughput in bytes of K and V read, so criterion
+//! prints GB/s.
 //!
-//! `cargo bench --bench attention -- sdpa/d64` runs a part of the grid;
-//! `RAYON_NUM_THREADS=1 cargo bench` measures one thread.
+//! `cargo bench --bench attention -- fused_avx512/d64` runs a part of the
+//! grid; `RAYON_NUM_THREADS=1 cargo bench` measures one thread.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -27,6 +28,7 @@ use criterion::{
     criterion_main, measurement::WallTime,
 };
 use ndarray::{Array4, ArrayView4, ArrayViewMut4};
+use sdpa::simd::{KernelSet, available_kernel_sets};
 use sdpa::{AttentionError, AttentionOptions};
 
 const BATCH: usize = 1;
@@ -53,21 +55,28 @@ struct Path {
     max_len: usize,
 }
 
-/// The groups to run. A group per kernel set would be, for each set, a
-/// path whose function adds `.kernel_set(set)` to the options it is given.
+/// The groups to run: the reference, then the fused path once per kernel
+/// set this CPU has (the portable scalar set only up to N = 1024).
 fn paths() -> Vec<Path> {
-    vec![
-        Path {
-            group: "sdpa".into(),
-            run: Box::new(sdpa::scaled_dot_product_attention_into::<f32>),
-            max_len: usize::MAX,
-        },
-        Path {
-            group: "core".into(),
-            run: Box::new(sdpa::core::scaled_dot_product_attention_into::<f32>),
-            max_len: 1024,
-        },
-    ]
+    let mut paths = vec![Path {
+        group: "core".into(),
+        run: Box::new(sdpa::core::scaled_dot_product_attention_into::<f32>),
+        max_len: 1024,
+    }];
+    for set in available_kernel_sets() {
+        paths.push(Path {
+            group: format!("fused_{set}"),
+            run: Box::new(move |q, k, v, opts, out| {
+                sdpa::scaled_dot_product_attention_into(q, k, v, &opts.clone().kernel_set(set), out)
+            }),
+            max_len: if set == KernelSet::Scalar {
+                1024
+            } else {
+                usize::MAX
+            },
+        });
+    }
+    paths
 }
 
 /// One point of the grid.
@@ -187,5 +196,39 @@ fn attention(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, attention);
+/// One query row per head against a long cache: bandwidth-bound, so the
+/// throughput is the bytes of K and V read.
+fn decode(c: &mut Criterion) {
+    let (heads, d) = (32, 128);
+    let mut group = c.benchmark_group("decode");
+    group
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(3));
+    for len_kv in [4096, 16384] {
+        let fill = |len: usize, salt: usize| {
+            Array4::from_shape_fn((1, heads, len, d), |(_, h, j, c)| {
+                ((h * 31 + j * 7 + c * 3 + salt) % 23) as f32 / 11.5 - 1.0
+            })
+        };
+        let (q, k, v) = (fill(1, 1), fill(len_kv, 2), fill(len_kv, 3));
+        let mut out = Array4::zeros((1, heads, 1, d));
+        let opts = AttentionOptions::new().causal();
+        group.throughput(Throughput::Bytes(((k.len() + v.len()) * 4) as u64));
+        group.bench_function(BenchmarkId::new("h32_d128", len_kv), |bencher| {
+            bencher.iter(|| {
+                sdpa::scaled_dot_product_attention_into(
+                    black_box(q.view()),
+                    k.view(),
+                    v.view(),
+                    &opts,
+                    out.view_mut(),
+                )
+                .expect("the benchmark's shapes are valid");
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, attention, decode);
 criterion_main!(benches);
