@@ -105,6 +105,7 @@ impl Vector for __m256 {
 }
 
 impl_kernel!(
-    Avx2, crate::simd::KernelSet::Avx2, __m256, rows: 6, score_vectors: 2, value_vectors: 2,
+    Avx2, crate::simd::KernelSet::Avx2, __m256,
+    score_tile: 6 x 2, value_tile: 6 x 2,
     #[target_feature(enable = "avx2,fma")]
 );

@@ -91,6 +91,7 @@ impl Vector for __m512 {
 }
 
 impl_kernel!(
-    Avx512, crate::simd::KernelSet::Avx512, __m512, rows: 6, score_vectors: 2, value_vectors: 4,
+    Avx512, crate::simd::KernelSet::Avx512, __m512,
+    score_tile: 6 x 2, value_tile: 6 x 4,
     #[target_feature(enable = "avx512f")]
 );

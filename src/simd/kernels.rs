@@ -574,7 +574,7 @@ pub(crate) trait Kernel: Copy + Send + Sync + 'static {
         assert!(
             value_width > 0 && value_width.is_multiple_of(Self::LANES) && v.ncols() >= value_width
         );
-        assert!(keys <= p_stride && Self::ROWS <= 6);
+        assert!(keys <= p_stride);
         assert!(rows == 0 || p.len() >= (rows - 1) * p_stride + keys);
         assert!(o.len() == rows * value_width);
         let v = Rows::of(&v);
@@ -654,19 +654,20 @@ pub(crate) unsafe fn exp_in_place<V: Vector>(x: *mut f32, len: usize) {
 /// function compiled for the set's target features.
 ///
 /// `$kernel`: the type; `$set`: its [`KernelSet`]; `$vector`: its [`Vector`];
-/// `$rows`: rows per register tile; `$score_vectors` / `$value_vectors`:
-/// vectors per register tile row in Q·Kᵀ / P·V; then the attributes of the
-/// instantiations (`#[target_feature(enable = "…")]`).
+/// the register tiles of Q·Kᵀ and of P·V as rows × vectors (the Q·Kᵀ rows
+/// a multiple of the P·V rows); then the attributes of the instantiations
+/// (`#[target_feature(enable = "…")]`).
 macro_rules! impl_kernel {
     (
         $kernel:ty, $set:expr, $vector:ty,
-        rows: $rows:literal, score_vectors: $score_vectors:literal, value_vectors: $value_vectors:literal,
+        score_tile: $score_rows:literal x $score_vectors:literal, value_tile: $rows:literal x $value_vectors:literal,
         $(#[$feature:meta])*
     ) => {
         impl $crate::simd::kernels::Kernel for $kernel {
             #[cfg(test)]
             const SET: $crate::simd::KernelSet = $set;
-            const ROWS: usize = $rows;
+            // Q·Kᵀ tiles are the taller ones, and a multiple of P·V's.
+            const ROWS: usize = $score_rows;
             const KEY_PANEL: usize = $score_vectors * <$vector as $crate::simd::vector::Vector>::LANES;
             const LANES: usize = <$vector as $crate::simd::vector::Vector>::LANES;
 
@@ -676,7 +677,7 @@ macro_rules! impl_kernel {
                 $(#[$feature])*
                 unsafe fn instance(q: *const f32, rows: usize, d: usize, k_panels: *const f32, keys: usize, s: *mut f32, s_stride: usize) {
                     // SAFETY: forwarded contract.
-                    unsafe { $crate::simd::kernels::scores::<$vector, $rows, $score_vectors>(q, rows, d, k_panels, keys, s, s_stride) }
+                    unsafe { $crate::simd::kernels::scores::<$vector, $score_rows, $score_vectors>(q, rows, d, k_panels, keys, s, s_stride) }
                 }
                 // SAFETY: `self` exists only on a CPU with the set's features
                 // (its constructor checked); the caller upholds the sizes.

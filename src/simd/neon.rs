@@ -91,6 +91,7 @@ impl Vector for float32x4_t {
 }
 
 impl_kernel!(
-    Neon, crate::simd::KernelSet::Neon, float32x4_t, rows: 6, score_vectors: 4, value_vectors: 4,
+    Neon, crate::simd::KernelSet::Neon, float32x4_t,
+    score_tile: 6 x 4, value_tile: 6 x 4,
     #[target_feature(enable = "neon")]
 );

@@ -69,4 +69,7 @@ impl Vector for f32 {
     unsafe fn prefetch(_ptr: *const f32) {}
 }
 
-impl_kernel!(Scalar, crate::simd::KernelSet::Scalar, f32, rows: 6, score_vectors: 4, value_vectors: 4,);
+impl_kernel!(
+    Scalar, crate::simd::KernelSet::Scalar, f32,
+    score_tile: 6 x 4, value_tile: 6 x 4,
+);
