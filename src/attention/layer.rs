@@ -360,6 +360,10 @@ struct Heads<'a, F> {
     v: ArrayView4<'a, F>,
 }
 
+/// Up to this many rows, [`project`] sums scaled rows of the weights
+/// instead of calling a matrix product.
+const FEW_ROWS: usize = 4;
+
 /// `x` `[batch, len, width]` `· w` `[width, cols]` `+ b`, as one matrix
 /// product over all positions of all batch items; `to_shape` is a view
 /// when the layout allows it.
@@ -370,7 +374,20 @@ fn project<F: Element>(
 ) -> Result<Array3<F>, AttentionError> {
     let (batch, len, width) = x.dim();
     let rows = x.to_shape((batch * len, width)).map_err(reshape_error)?;
-    let mut out = rows.dot(w);
+    let mut out = if rows.nrows() <= FEW_ROWS && w.is_standard_layout() {
+        // out[i] = Σ_r x[i, r]·w[r, ..]: reads `w` once, row by row, where
+        // a matrix product would first copy all of it into packed panels.
+        // Decoding steps project one or a few rows at a time.
+        let mut out = Array2::zeros((rows.nrows(), w.ncols()));
+        for (x_column, w_row) in rows.columns().into_iter().zip(w.rows()) {
+            for (&x, mut out_row) in x_column.iter().zip(out.rows_mut()) {
+                out_row.scaled_add(x, &w_row);
+            }
+        }
+        out
+    } else {
+        rows.dot(w)
+    };
     if let Some(b) = b {
         // `rhs` broadcasts over the rows.
         out.zip_mut_with(b, |o, &bias| *o = *o + bias);
