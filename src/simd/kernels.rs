@@ -283,6 +283,33 @@ pub(crate) unsafe fn softmax_rows<V: Vector>(
     }
 }
 
+/// `s[r][j] ← e^(s[r][j] − shift[r])` for `rows` rows of `keys` scores (a
+/// multiple of `V::LANES`): the weights recomputed from the forward's
+/// log-sum-exp in the backward pass. A row whose shift is `−inf` saw no key
+/// and becomes 0; masked scores (`−inf`) become exactly 0.
+///
+/// # Safety
+/// V's instruction set is available; `s` has `(rows − 1)·s_stride + keys`
+/// elements and `shift` has `rows`.
+#[inline(always)]
+pub(crate) unsafe fn exp_rows_shifted<V: Vector>(s: *mut f32, rows: usize, keys: usize, s_stride: usize, shift: *const f32) {
+    // SAFETY (for the whole body): offsets stay within the sizes above.
+    unsafe {
+        for r in 0..rows {
+            let row = s.add(r * s_stride);
+            let shift = *shift.add(r);
+            for j in (0..keys).step_by(V::LANES) {
+                let p = if shift == f32::NEG_INFINITY {
+                    V::splat(0.0)
+                } else {
+                    exp(V::load(row.add(j)).sub(V::splat(shift)))
+                };
+                p.store(row.add(j));
+            }
+        }
+    }
+}
+
 /// `o[r] ← α[r]·o[r] + Σ_j p[r][j]·v[j]` for `rows` rows and `keys` keys; the first `value_width` columns (a multiple of
 /// `V::LANES`) of `v`'s rows and of row-major `o`, `NV` vectors at a time.
 ///
@@ -472,6 +499,12 @@ pub(crate) trait Kernel: Copy + Send + Sync + 'static {
         o: *mut f32,
     );
 
+    /// [`exp_rows_shifted`] with this set's vectors.
+    ///
+    /// # Safety
+    /// As [`exp_rows_shifted`], but for the instruction set, which `self` proves.
+    unsafe fn exp_rows_shifted_unchecked(self, s: *mut f32, rows: usize, keys: usize, s_stride: usize, shift: *const f32);
+
     /// [`row_scores`] with this set's vectors.
     ///
     /// # Safety
@@ -594,6 +627,19 @@ pub(crate) trait Kernel: Copy + Send + Sync + 'static {
         }
     }
 
+    /// `s[r][j] ← e^(s[r][j] − shift[r])` ([`exp_rows_shifted`]) over the
+    /// first `keys` columns of the `shift.len()` rows of `s`.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    fn exp_rows_shifted(self, s: &mut [f32], keys: usize, s_stride: usize, shift: &[f32]) {
+        let rows = shift.len();
+        assert!(keys.is_multiple_of(Self::LANES) && keys <= s_stride);
+        assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
+        // SAFETY: the sizes were checked above; `self` proves the CPU.
+        unsafe { self.exp_rows_shifted_unchecked(s.as_mut_ptr(), rows, keys, s_stride, shift.as_ptr()) }
+    }
+
     /// `s[r][j] = q[r]·k[j]` ([`row_scores`]) for the rows of `q` (`[rows][d]`)
     /// and the keys that are `k`'s rows, read in place.
     ///
@@ -707,6 +753,16 @@ macro_rules! impl_kernel {
                 }
                 // SAFETY: as in `scores_unchecked`.
                 unsafe { instance(p, rows, keys, p_stride, v, value_width, alpha, o) }
+            }
+
+            unsafe fn exp_rows_shifted_unchecked(self, s: *mut f32, rows: usize, keys: usize, s_stride: usize, shift: *const f32) {
+                $(#[$feature])*
+                unsafe fn instance(s: *mut f32, rows: usize, keys: usize, s_stride: usize, shift: *const f32) {
+                    // SAFETY: forwarded contract.
+                    unsafe { $crate::simd::kernels::exp_rows_shifted::<$vector>(s, rows, keys, s_stride, shift) }
+                }
+                // SAFETY: as in `scores_unchecked`.
+                unsafe { instance(s, rows, keys, s_stride, shift) }
             }
 
             unsafe fn row_scores_unchecked(

@@ -135,7 +135,7 @@ impl WithKernel for FusedAttention<'_, '_, '_, '_, '_> {
             jobs,
             || (),
             |_, (b, kv_h, job_heads)| {
-                let mut packed = PackedKeysValues::new::<K>(&shape);
+                let mut packed = PackedKeysValues::new::<K>(shape.len_kv, shape.d_k, shape.d_v);
                 packed.pack::<K>(head(k, b, kv_h), head(v, b, kv_h));
                 let mut tiles = Vec::new();
                 for (h, (out_head, lse_head)) in job_heads {
@@ -291,21 +291,23 @@ where
 }
 
 /// One key/value head packed for the kernels, padded to whole key tiles.
-struct PackedKeysValues {
+/// (The backward pass also packs values as "keys" and keys as "values".)
+pub(crate) struct PackedKeysValues {
     /// Keys in panels of `K::KEY_PANEL`, each `[d_k][KEY_PANEL]`.
-    key_panels: Vec<f32>,
+    pub(crate) key_panels: Vec<f32>,
     /// Values `[len_kv padded][d_v rounded up to the vector width]`.
-    values: Array2<f32>,
+    pub(crate) values: Array2<f32>,
     /// Per key tile: does it hold a NaN or infinite value?
-    tile_has_nonfinite_values: Vec<bool>,
+    pub(crate) tile_has_nonfinite_values: Vec<bool>,
 }
 
 impl PackedKeysValues {
-    fn new<K: Kernel>(shape: &AttentionShape) -> Self {
-        let padded_keys = shape.len_kv.div_ceil(KEY_TILE) * KEY_TILE;
-        let value_width = shape.d_v.div_ceil(K::LANES) * K::LANES;
+    /// Buffers for `len_kv` keys of `d_k` and values of `d_v` numbers.
+    pub(crate) fn new<K: Kernel>(len_kv: usize, d_k: usize, d_v: usize) -> Self {
+        let padded_keys = len_kv.div_ceil(KEY_TILE) * KEY_TILE;
+        let value_width = d_v.div_ceil(K::LANES) * K::LANES;
         Self {
-            key_panels: vec![0.0; padded_keys * shape.d_k],
+            key_panels: vec![0.0; padded_keys * d_k],
             values: Array2::zeros((padded_keys, value_width)),
             tile_has_nonfinite_values: vec![false; padded_keys / KEY_TILE],
         }
@@ -313,7 +315,7 @@ impl PackedKeysValues {
 
     /// Packs one head's `k` `[len_kv, d_k]` and `v` `[len_kv, d_v]`; padding
     /// stays zero from `new`, since every head writes the same places.
-    fn pack<K: Kernel>(&mut self, k: ArrayView2<'_, f32>, v: ArrayView2<'_, f32>) {
+    pub(crate) fn pack<K: Kernel>(&mut self, k: ArrayView2<'_, f32>, v: ArrayView2<'_, f32>) {
         let d_k = k.ncols();
         let panel = K::KEY_PANEL;
         for (j, key) in k.rows().into_iter().enumerate() {
@@ -348,12 +350,117 @@ enum KeysValues<'p> {
     },
 }
 
+/// The visible key ranges of a query tile's rows, summed up: the key tiles
+/// any row can see, and the span every row sees (tiles inside it need no
+/// element-wise mask).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TileSpan {
+    pub(crate) min_start: usize,
+    pub(crate) max_start: usize,
+    pub(crate) min_end: usize,
+    pub(crate) max_end: usize,
+}
+
+impl TileSpan {
+    pub(crate) fn of(at: &TilePosition, opts: &AttentionOptions<'_, f32>, shape: &AttentionShape) -> Self {
+        let mut span = TileSpan { min_start: usize::MAX, max_start: 0, min_end: usize::MAX, max_end: 0 };
+        for i in at.i0..at.i0 + at.rows {
+            let range = opts.visible_range(at.b, i, shape.len_q, shape.len_kv);
+            span.min_start = span.min_start.min(range.start);
+            span.max_start = span.max_start.max(range.start);
+            span.min_end = span.min_end.min(range.end);
+            span.max_end = span.max_end.max(range.end);
+        }
+        span
+    }
+
+    /// Whether some row sees some key of the tile starting at `j0`.
+    pub(crate) fn sees_tile(&self, j0: usize) -> bool {
+        self.max_end > j0 && self.min_start < j0 + KEY_TILE
+    }
+
+    /// Whether the key tile at `j0` needs the element-wise mask: a keep
+    /// mask, or a row's range (or the end of the keys) cutting through it.
+    pub(crate) fn needs_mask(&self, j0: usize, opts: &AttentionOptions<'_, f32>) -> bool {
+        opts.keep_mask.is_some() || j0 + KEY_TILE > self.min_end || j0 < self.max_start
+    }
+}
+
+/// Adds the bias, if any, to the scores (row stride `KEY_TILE`) of the
+/// tile's real rows and keys.
+pub(crate) fn add_bias(
+    scores: &mut [f32],
+    at: &TilePosition,
+    j0: usize,
+    opts: &AttentionOptions<'_, f32>,
+    shape: &AttentionShape,
+) {
+    let Some(bias) = &opts.bias else { return };
+    let j1 = (j0 + KEY_TILE).min(shape.len_kv);
+    let offset = opts.key_offset();
+    for r in 0..at.rows {
+        let bias_row = broadcast_row(bias, at.b, at.h, at.i0 + r);
+        let scores = &mut scores[r * KEY_TILE..][..j1 - j0];
+        for (j, score) in (j0..j1).zip(scores) {
+            *score += bias_row[broadcast(bias_row.len(), offset + j)];
+        }
+    }
+}
+
+/// Sets the scores (row stride `KEY_TILE`) of keys a row may not see, and
+/// of padding keys, to `−inf`.
+pub(crate) fn mask(
+    scores: &mut [f32],
+    at: &TilePosition,
+    j0: usize,
+    opts: &AttentionOptions<'_, f32>,
+    shape: &AttentionShape,
+) {
+    for r in 0..at.rows {
+        let visible = opts.visible_keys(at.b, at.h, at.i0 + r, shape.len_q, shape.len_kv);
+        let scores = &mut scores[r * KEY_TILE..][..KEY_TILE];
+        for (j, score) in (j0..).zip(scores) {
+            if !visible.contains(j) {
+                *score = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` term by term for the
+/// `alpha.len()` rows, skipping zero weights so that a NaN or infinite
+/// value of a masked key cannot turn into `0·NaN`. `o` has rows of
+/// `o.len() / rows` numbers; `p` has row stride `p_stride`.
+pub(crate) fn accumulate_skipping_zero_weights(
+    p: &[f32],
+    p_stride: usize,
+    values: ArrayView2<'_, f32>,
+    alpha: &[f32],
+    o: &mut [f32],
+) {
+    if alpha.is_empty() {
+        return;
+    }
+    let width = o.len() / alpha.len();
+    for (r, o) in o.chunks_exact_mut(width).enumerate() {
+        o.iter_mut().for_each(|x| *x *= alpha[r]);
+        for (j, value) in values.rows().into_iter().enumerate() {
+            let weight = p[r * p_stride + j];
+            if weight != 0.0 {
+                for (x, &v) in o.iter_mut().zip(value) {
+                    *x += weight * v;
+                }
+            }
+        }
+    }
+}
+
 /// Where a query tile sits: batch item, head, first row and row count.
-struct TilePosition {
-    b: usize,
-    h: usize,
-    i0: usize,
-    rows: usize,
+pub(crate) struct TilePosition {
+    pub(crate) b: usize,
+    pub(crate) h: usize,
+    pub(crate) i0: usize,
+    pub(crate) rows: usize,
 }
 
 /// The buffers of one query tile, reused from tile to tile.
@@ -368,8 +475,6 @@ struct TileScratch {
     max: Vec<f32>,
     sum: Vec<f32>,
     alpha: Vec<f32>,
-    /// Rows rounded up to the kernel's register tile.
-    padded_rows: usize,
     value_width: usize,
 }
 
@@ -385,7 +490,6 @@ impl TileScratch {
             max: vec![0.0; rows],
             sum: vec![0.0; rows],
             alpha: vec![0.0; rows],
-            padded_rows: rows,
             value_width,
         }
     }
@@ -413,7 +517,6 @@ impl TileScratch {
             KeysValues::Packed(_) => at.rows.div_ceil(K::ROWS) * K::ROWS,
             KeysValues::Rows { .. } => at.rows,
         };
-        self.padded_rows = rows;
         // Scaling Q once costs len_q·d_k multiplies instead of len_q·len_kv.
         self.q[..rows * d_k].fill(0.0);
         for (r, query) in q_head
@@ -427,22 +530,14 @@ impl TileScratch {
                 *packed_q = scale * x;
             }
         }
-        // The key tiles any row can see, and the span every row sees: tiles
-        // inside that span need no element-wise mask.
-        let (mut min_start, mut max_start) = (usize::MAX, 0);
-        let (mut min_end, mut max_end) = (usize::MAX, 0);
-        for i in at.i0..at.i0 + at.rows {
-            let range = opts.visible_range(at.b, i, shape.len_q, shape.len_kv);
-            (min_start, max_start) = (min_start.min(range.start), max_start.max(range.start));
-            (min_end, max_end) = (min_end.min(range.end), max_end.max(range.end));
-        }
+        let span = TileSpan::of(at, opts, shape);
 
         self.max[..rows].fill(f32::NEG_INFINITY);
         self.sum[..rows].fill(0.0);
         self.o[..rows * self.value_width].fill(0.0);
         let width = self.value_width;
-        let first_tile = min_start.max(keys.start) / KEY_TILE;
-        let end_tile = max_end.min(keys.end).div_ceil(KEY_TILE);
+        let first_tile = span.min_start.max(keys.start) / KEY_TILE;
+        let end_tile = span.max_end.min(keys.end).div_ceil(KEY_TILE);
         for t in first_tile..end_tile {
             let j0 = t * KEY_TILE;
             let n = KEY_TILE.min(shape.len_kv - j0);
@@ -457,13 +552,11 @@ impl TileScratch {
                     kernel.row_scores(&self.q[..rows * d_k], d_k, k_tile, scores, KEY_TILE);
                 }
             }
-            if opts.bias.is_some() {
-                self.add_bias(at, j0, opts, shape);
-            }
-            // Padding keys (past len_kv) are masked here too.
-            let masked = opts.keep_mask.is_some() || j0 + KEY_TILE > min_end || j0 < max_start;
+            let scores = &mut self.scores[..rows * KEY_TILE];
+            add_bias(scores, at, j0, opts, shape);
+            let masked = span.needs_mask(j0, opts);
             if masked {
-                self.mask(at, j0, opts, shape);
+                mask(scores, at, j0, opts, shape);
             }
             kernel.softmax_rows(
                 &mut self.scores[..rows * KEY_TILE],
@@ -485,7 +578,8 @@ impl TileScratch {
                 }
             };
             if nonfinite {
-                self.accumulate_values_skipping_zero_weights(values);
+                let (p, o) = (&self.scores[..rows * KEY_TILE], &mut self.o[..rows * width]);
+                accumulate_skipping_zero_weights(p, KEY_TILE, values, &self.alpha[..rows], o);
             } else {
                 kernel.accumulate_values(
                     &self.scores[..rows * KEY_TILE],
@@ -495,64 +589,6 @@ impl TileScratch {
                     &self.alpha[..rows],
                     &mut self.o[..rows * width],
                 );
-            }
-        }
-    }
-
-    /// Adds the bias to the scores of the tile's real rows and keys.
-    fn add_bias(
-        &mut self,
-        at: &TilePosition,
-        j0: usize,
-        opts: &AttentionOptions<'_, f32>,
-        shape: &AttentionShape,
-    ) {
-        let Some(bias) = &opts.bias else { return };
-        let j1 = (j0 + KEY_TILE).min(shape.len_kv);
-        let offset = opts.key_offset();
-        for r in 0..at.rows {
-            let bias_row = broadcast_row(bias, at.b, at.h, at.i0 + r);
-            let scores = &mut self.scores[r * KEY_TILE..][..j1 - j0];
-            for (j, score) in (j0..j1).zip(scores) {
-                *score += bias_row[broadcast(bias_row.len(), offset + j)];
-            }
-        }
-    }
-
-    /// Sets the scores of keys a row may not see (and of padding keys) to `−inf`.
-    fn mask(
-        &mut self,
-        at: &TilePosition,
-        j0: usize,
-        opts: &AttentionOptions<'_, f32>,
-        shape: &AttentionShape,
-    ) {
-        for r in 0..at.rows {
-            let visible = opts.visible_keys(at.b, at.h, at.i0 + r, shape.len_q, shape.len_kv);
-            let scores = &mut self.scores[r * KEY_TILE..][..KEY_TILE];
-            for (j, score) in (j0..).zip(scores) {
-                if !visible.contains(j) {
-                    *score = f32::NEG_INFINITY;
-                }
-            }
-        }
-    }
-
-    /// `O = α·O + P·V` term by term, skipping zero weights so that a NaN or
-    /// infinite value of a masked key cannot turn into `0·NaN`.
-    fn accumulate_values_skipping_zero_weights(&mut self, values: ArrayView2<'_, f32>) {
-        let width = self.value_width;
-        for r in 0..self.padded_rows {
-            let o = &mut self.o[r * width..(r + 1) * width];
-            let alpha = self.alpha[r];
-            o.iter_mut().for_each(|x| *x *= alpha);
-            for (j, value) in values.rows().into_iter().enumerate() {
-                let weight = self.scores[r * KEY_TILE + j];
-                if weight != 0.0 {
-                    for (x, &v) in o.iter_mut().zip(value) {
-                        *x += weight * v;
-                    }
-                }
             }
         }
     }
