@@ -77,7 +77,9 @@ use crate::options::AttentionOptions;
 /// }
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
-#[derive(Debug, Clone, PartialEq)]
+// No `PartialEq`: slots past `len` hold stale entries, so equal caches
+// could compare unequal.
+#[derive(Debug, Clone)]
 pub struct KvCache<F> {
     /// `[batch, kv_heads, capacity, d_k]`; slots `0..len` are filled.
     keys: Array4<F>,
