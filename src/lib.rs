@@ -17,6 +17,7 @@ pub mod simd;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
+pub use crate::core::AttentionGradients;
 pub use attention::{Attention, AttentionConfig, AttentionWeights, CausalAttention};
 pub use element::Element;
 pub use error::{AttentionError, ErrorKind};

@@ -9,6 +9,10 @@
 //! It never calls into `simd`.
 #![forbid(unsafe_code)]
 
+pub(crate) mod backward;
+
+pub use backward::{AttentionGradients, scaled_dot_product_attention_backward};
+
 use ndarray::linalg::general_mat_mul;
 use ndarray::{
     Array2, Array4, ArrayBase, ArrayView2, ArrayView4, ArrayViewMut1, ArrayViewMut2, ArrayViewMut3,

@@ -1,0 +1,377 @@
+//! The reference backward pass: the gradients of a loss with respect to
+//! `q`, `k`, `v` and the bias, given the forward's output, its per-row
+//! log-sum-exp and the gradient of the loss with respect to the output.
+//!
+//! Per `(batch, head)`, with `S = Q·Kᵀ·scale + bias` and `lse` the forward's
+//! log-sum-exp of each row's visible scores:
+//!
+//! ```text
+//! P_ij  = exp(S_ij − lse_i)   for visible keys, exactly 0 for masked ones
+//! D_i   = Σ_c dO_ic · O_ic     (= Σ_j P_ij · dP_ij)
+//! dV    = Pᵀ · dO              (summed over the query heads sharing a kv head)
+//! dP    = dO · Vᵀ
+//! dS_ij = P_ij · (dP_ij − D_i)  where P_ij ≠ 0, else exactly 0
+//! dQ    = scale · dS · K
+//! dK    = scale · dSᵀ · Q       (summed over the query heads sharing a kv head)
+//! dbias = dS                    (summed over the bias's broadcast dimensions)
+//! ```
+//!
+//! `P` is recomputed from the log-sum-exp instead of being stored by the
+//! forward, as a fused backward does tile by tile; here each head's
+//! `len_q × len_kv` matrices are materialised, as in the forward reference.
+//!
+//! Masking is by selection throughout, as in the forward: a masked entry's
+//! `P` and `dS` are set to 0, never computed as a product with 0, and the
+//! matrix products skip zero entries whenever the other factor holds a
+//! non-finite number, so NaN or ±inf in masked keys, values, bias entries,
+//! or in the queries and `d_out` rows of queries that see no key, never
+//! reaches a gradient.
+//!
+//! Like the rest of `core`, this never calls into `simd`.
+
+use ndarray::linalg::general_mat_mul;
+use ndarray::{Array2, Array4, ArrayView2, ArrayView3, ArrayView4, ArrayViewMut2, ArrayViewMut4};
+
+use crate::element::Element;
+use crate::error::{AttentionError, shape_error};
+use crate::options::{AttentionOptions, broadcast, broadcast_row};
+use crate::shape::{self, AttentionShape};
+
+use super::{head, head_mut};
+
+/// The gradients of a scalar loss `L` with respect to the inputs of an
+/// attention call, from [`scaled_dot_product_attention_backward`].
+///
+/// Each array has the shape of the input it is the gradient of. With
+/// grouped-query attention, `d_k` and `d_v` of a key/value head are summed
+/// over the query heads that share it; `d_bias` is summed over the
+/// dimensions in which the bias broadcasts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionGradients<F> {
+    /// `∂L/∂q`, `[batch, heads, len_q, d_k]`.
+    pub d_q: Array4<F>,
+    /// `∂L/∂k`, `[batch, kv_heads, len_kv, d_k]`.
+    pub d_k: Array4<F>,
+    /// `∂L/∂v`, `[batch, kv_heads, len_kv, d_v]`.
+    pub d_v: Array4<F>,
+    /// `∂L/∂bias`, in the shape the bias was given in (each dimension the
+    /// full size or 1), when the options had a bias; `None` otherwise.
+    pub d_bias: Option<Array4<F>>,
+}
+
+/// The backward pass of scaled dot-product attention on the reference path:
+/// the gradients of a scalar loss `L` with respect to `q`, `k`, `v` and the
+/// bias, given `d_out = ∂L/∂out`.
+///
+/// - `q`, `k`, `v`, `opts`: the forward call's arguments, unchanged.
+/// - `out`: the forward's output, `[batch, heads, len_q, d_v]`.
+/// - `log_sum_exp`: the forward's log-sum-exp of each row's visible scaled
+///   (and biased) scores, `[batch, heads, len_q]`; `−inf` for a row that
+///   sees no key.
+/// - `d_out`: `∂L/∂out`, `[batch, heads, len_q, d_v]`.
+///
+/// [`scaled_dot_product_attention_partial`](crate::scaled_dot_product_attention_partial)
+/// gives `out` and `log_sum_exp` in one call. The weights are recomputed
+/// from the log-sum-exp, so `out` and `log_sum_exp` must come from a forward
+/// with the same arguments (on any path); otherwise the result is not a
+/// gradient of anything. Views of any strides are accepted.
+///
+/// Every option is supported. A masked query–key pair contributes exactly 0
+/// to every gradient, and NaN or ±inf in masked keys, values or bias entries
+/// never reaches one; a query row with no visible key gets a zero `d_q` row
+/// and contributes nothing. Keys no query sees get zero `d_k` and `d_v`
+/// rows.
+///
+/// **Key shards.** With [`AttentionOptions::key_shard`], `k` and `v` are one
+/// shard of the keys, while `out`, `log_sum_exp` and `d_out` are those of
+/// the whole (merged) call. The result is then the shard's part: `d_k` and
+/// `d_v` of the shard's keys, and the shard's contributions to `d_q` and
+/// `d_bias` (the bias has the whole sequence's columns; those of other
+/// shards get 0). Summing `d_q` and `d_bias` over all shards gives the
+/// gradients of the unsplit call.
+///
+/// # Errors
+/// As [`scaled_dot_product_attention`](super::scaled_dot_product_attention)
+/// for `q`, `k`, `v` and the options, and an [`AttentionError`] naming the
+/// shapes when `out` or `d_out` is not `[batch, heads, len_q, d_v]` or
+/// `log_sum_exp` is not `[batch, heads, len_q]`.
+///
+/// ```
+/// use ndarray::Array4;
+/// use sdpa::{scaled_dot_product_attention_partial, AttentionOptions};
+///
+/// let q = Array4::<f64>::from_shape_fn((1, 2, 4, 3), |(_, h, i, c)| ((h + 2 * i + c) % 5) as f64 * 0.3 - 0.5);
+/// let k = Array4::<f64>::from_shape_fn((1, 1, 4, 3), |(_, _, j, c)| ((j * c + 1) % 4) as f64 * 0.4 - 0.6);
+/// let v = Array4::<f64>::from_shape_fn((1, 1, 4, 2), |(_, _, j, c)| (j as f64 - c as f64) * 0.25);
+/// let opts = AttentionOptions::new().causal();
+///
+/// // Forward, keeping the log-sum-exp.
+/// let forward = scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), &opts)?;
+/// // The loss L = sum(out), so dL/dout is all ones.
+/// let d_out = Array4::<f64>::ones(forward.output().raw_dim());
+/// let grads = sdpa::core::scaled_dot_product_attention_backward(
+///     q.view(), k.view(), v.view(), &opts,
+///     forward.output(), forward.log_sum_exp(), d_out.view(),
+/// )?;
+/// assert_eq!(grads.d_q.shape(), q.shape());
+/// assert_eq!(grads.d_k.shape(), k.shape()); // summed over the 2 query heads
+/// assert_eq!(grads.d_v.shape(), v.shape());
+/// assert!(grads.d_bias.is_none());
+///
+/// // Query 0 sees only key 0 (causal): its output is v[0] whatever q[0] is.
+/// assert!(grads.d_q.slice(ndarray::s![.., .., 0, ..]).iter().all(|&g| g.abs() < 1e-12));
+///
+/// // Against a finite difference of the loss in one entry of k.
+/// let loss = |k: &Array4<f64>| -> Result<f64, sdpa::AttentionError> {
+///     Ok(sdpa::core::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)?.sum())
+/// };
+/// let h = 1e-6;
+/// let (mut up, mut down) = (k.clone(), k.clone());
+/// up[[0, 0, 1, 2]] += h;
+/// down[[0, 0, 1, 2]] -= h;
+/// let numeric = (loss(&up)? - loss(&down)?) / (2.0 * h);
+/// assert!((grads.d_k[[0, 0, 1, 2]] - numeric).abs() < 1e-8);
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+pub fn scaled_dot_product_attention_backward<F: Element>(
+    q: ArrayView4<'_, F>,
+    k: ArrayView4<'_, F>,
+    v: ArrayView4<'_, F>,
+    opts: &AttentionOptions<'_, F>,
+    out: ArrayView4<'_, F>,
+    log_sum_exp: ArrayView3<'_, F>,
+    d_out: ArrayView4<'_, F>,
+) -> Result<AttentionGradients<F>, AttentionError> {
+    let (shape, scale) = check_backward(&q, &k, &v, opts, &out, &log_sum_exp, &d_out)?;
+    let mut gradients = AttentionGradients {
+        d_q: Array4::zeros(q.raw_dim()),
+        d_k: Array4::zeros(k.raw_dim()),
+        d_v: Array4::zeros(v.raw_dim()),
+        d_bias: opts.bias.as_ref().map(|bias| Array4::zeros(bias.raw_dim())),
+    };
+    backward_into_checked(
+        &q,
+        &k,
+        &v,
+        opts,
+        &shape,
+        scale,
+        &out,
+        &log_sum_exp,
+        &d_out,
+        GradientsViewMut {
+            d_q: gradients.d_q.view_mut(),
+            d_k: gradients.d_k.view_mut(),
+            d_v: gradients.d_v.view_mut(),
+            d_bias: gradients.d_bias.as_mut().map(|d_bias| d_bias.view_mut()),
+        },
+    );
+    Ok(gradients)
+}
+
+/// Checks a backward call's arguments: those of the forward
+/// ([`shape::check`]), then `out`, `log_sum_exp` and `d_out` against the
+/// forward's output shape. Returns the shape and the scale to use.
+pub(crate) fn check_backward<F: Element>(
+    q: &ArrayView4<'_, F>,
+    k: &ArrayView4<'_, F>,
+    v: &ArrayView4<'_, F>,
+    opts: &AttentionOptions<'_, F>,
+    out: &ArrayView4<'_, F>,
+    log_sum_exp: &ArrayView3<'_, F>,
+    d_out: &ArrayView4<'_, F>,
+) -> Result<(AttentionShape, F), AttentionError> {
+    let (shape, scale) = shape::check(q, k, v, opts)?;
+    let (b, h, l, d) = shape.output_dim();
+    let expected = [b, h, l, d];
+    for (name, got) in [("out", out.shape()), ("d_out", d_out.shape())] {
+        if got != expected {
+            return Err(shape_error(format!(
+                "{name} has shape {got:?} but the forward's output is \
+                 [batch, heads, len_q, d_v] = {expected:?} (q {:?}, v {:?})",
+                q.shape(),
+                v.shape()
+            )));
+        }
+    }
+    if log_sum_exp.shape() != &expected[..3] {
+        return Err(shape_error(format!(
+            "log_sum_exp has shape {:?} but the forward's is [batch, heads, len_q] = {:?} (q {:?})",
+            log_sum_exp.shape(),
+            &expected[..3],
+            q.shape()
+        )));
+    }
+    Ok((shape, scale))
+}
+
+/// Mutable views of the gradients a backward pass writes; `d_bias` has the
+/// bias's own (broadcast) shape.
+pub(crate) struct GradientsViewMut<'a, F> {
+    pub d_q: ArrayViewMut4<'a, F>,
+    pub d_k: ArrayViewMut4<'a, F>,
+    pub d_v: ArrayViewMut4<'a, F>,
+    pub d_bias: Option<ArrayViewMut4<'a, F>>,
+}
+
+/// The reference backward on arguments checked by [`check_backward`];
+/// overwrites every gradient in `gradients`, which have the shapes of `q`,
+/// `k`, `v` and the bias.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_into_checked<F: Element>(
+    q: &ArrayView4<'_, F>,
+    k: &ArrayView4<'_, F>,
+    v: &ArrayView4<'_, F>,
+    opts: &AttentionOptions<'_, F>,
+    shape: &AttentionShape,
+    scale: F,
+    out: &ArrayView4<'_, F>,
+    log_sum_exp: &ArrayView3<'_, F>,
+    d_out: &ArrayView4<'_, F>,
+    gradients: GradientsViewMut<'_, F>,
+) {
+    let GradientsViewMut {
+        mut d_q,
+        mut d_k,
+        mut d_v,
+        mut d_bias,
+    } = gradients;
+    // d_k, d_v and d_bias are sums over query heads (and rows); d_q is
+    // overwritten head by head but cleared too, for empty key sequences.
+    d_q.fill(F::zero());
+    d_k.fill(F::zero());
+    d_v.fill(F::zero());
+    if let Some(d_bias) = d_bias.as_mut() {
+        d_bias.fill(F::zero());
+    }
+    let mut probabilities = Array2::zeros((shape.len_q, shape.len_kv));
+    let mut d_scores = Array2::zeros((shape.len_q, shape.len_kv));
+    for b in 0..shape.batch {
+        for h in 0..shape.heads {
+            let kv_h = shape.kv_head(h);
+            let (qh, kh, vh) = (head(q, b, h), head(k, b, kv_h), head(v, b, kv_h));
+            let (out_h, d_out_h) = (head(out, b, h), head(d_out, b, h));
+
+            // S = Q·Kᵀ·scale with exactly the forward's product, then P.
+            general_mat_mul(scale, &qh, &kh.t(), F::zero(), &mut probabilities);
+            // dP = dO·Vᵀ; entries of masked keys may be NaN and are
+            // discarded by selection below.
+            general_mat_mul(F::one(), &d_out_h, &vh.t(), F::zero(), &mut d_scores);
+            for i in 0..shape.len_q {
+                let visible = opts.visible_keys(b, h, i, shape.len_q, shape.len_kv);
+                let bias = opts.bias.as_ref().map(|bias| broadcast_row(bias, b, h, i));
+                let lse = log_sum_exp[[b, h, i]];
+                let mut p_row = probabilities.row_mut(i);
+                let mut ds_row = d_scores.row_mut(i);
+                if lse == F::neg_infinity() {
+                    // No visible key (or only −inf scores): P and dS are 0.
+                    p_row.fill(F::zero());
+                    ds_row.fill(F::zero());
+                    continue;
+                }
+                // D_i = Σ_c dO_ic·O_ic, the row's Σ_j P_ij·dP_ij.
+                let d_i = out_h
+                    .row(i)
+                    .iter()
+                    .zip(d_out_h.row(i))
+                    .fold(F::zero(), |sum, (&o, &d_o)| sum + o * d_o);
+                for (j, (p, ds)) in p_row.iter_mut().zip(ds_row.iter_mut()).enumerate() {
+                    *p = if visible.contains(j) {
+                        let score = match &bias {
+                            Some(bias) => *p + bias[broadcast(bias.len(), visible.key_offset + j)],
+                            None => *p,
+                        };
+                        (score - lse).exp()
+                    } else {
+                        F::zero()
+                    };
+                    // Selection: a zero weight has zero gradient even where
+                    // dP is NaN or infinite.
+                    *ds = if *p != F::zero() {
+                        *p * (*ds - d_i)
+                    } else {
+                        F::zero()
+                    };
+                }
+            }
+
+            // dV += Pᵀ·dO and dK += scale·dSᵀ·Q over the heads sharing kv_h.
+            mat_mul_selecting(
+                F::one(),
+                probabilities.t(),
+                d_out_h,
+                F::one(),
+                head_mut(&mut d_v, b, kv_h),
+            );
+            mat_mul_selecting(
+                scale,
+                d_scores.t(),
+                qh,
+                F::one(),
+                head_mut(&mut d_k, b, kv_h),
+            );
+            // dQ = scale·dS·K.
+            mat_mul_selecting(
+                scale,
+                d_scores.view(),
+                kh,
+                F::zero(),
+                head_mut(&mut d_q, b, h),
+            );
+
+            if let Some(d_bias) = d_bias.as_mut() {
+                accumulate_bias_gradient(d_bias, d_scores.view(), b, h, opts.key_offset());
+            }
+        }
+    }
+}
+
+/// `c = alpha·a·b + beta·c` (`beta` is 0 or 1), where a zero entry of `a`
+/// contributes nothing even if the row of `b` it meets holds NaN or ±inf:
+/// those rows belong to masked keys or to queries that see no key.
+fn mat_mul_selecting<F: Element>(
+    alpha: F,
+    a: ArrayView2<'_, F>,
+    b: ArrayView2<'_, F>,
+    beta: F,
+    mut c: ArrayViewMut2<'_, F>,
+) {
+    if b.iter().all(|x| x.is_finite()) {
+        general_mat_mul(alpha, &a, &b, beta, &mut c);
+        return;
+    }
+    for (a_row, mut c_row) in a.rows().into_iter().zip(c.rows_mut()) {
+        if beta == F::zero() {
+            c_row.fill(F::zero());
+        } else if beta != F::one() {
+            c_row.mapv_inplace(|x| x * beta);
+        }
+        for (&x, b_row) in a_row.iter().zip(b.rows()) {
+            if x != F::zero() {
+                c_row.scaled_add(alpha * x, &b_row);
+            }
+        }
+    }
+}
+
+/// Adds one head's `dS` (`[len_q, len_kv]`) into `d_bias` at the entries
+/// the bias broadcast to it from: the bias has `total_len_kv` columns (or
+/// 1), and this call's key `j` is column `key_offset + j`.
+fn accumulate_bias_gradient<F: Element>(
+    d_bias: &mut ArrayViewMut4<'_, F>,
+    d_scores: ArrayView2<'_, F>,
+    b: usize,
+    h: usize,
+    key_offset: usize,
+) {
+    let shape = d_bias.shape();
+    let (batch, heads, len_q, columns) = (shape[0], shape[1], shape[2], shape[3]);
+    let (b, h) = (broadcast(batch, b), broadcast(heads, h));
+    for (i, ds_row) in d_scores.rows().into_iter().enumerate() {
+        let i = broadcast(len_q, i);
+        for (j, &ds) in ds_row.iter().enumerate() {
+            let column = broadcast(columns, key_offset + j);
+            d_bias[[b, h, i, column]] = d_bias[[b, h, i, column]] + ds;
+        }
+    }
+}
