@@ -2,13 +2,15 @@
 //! in the same format as the peers' scripts, one column per kernel set.
 //!
 //! ```text
-//! cargo run --release --example throughput -- [N ...]
+//! cargo run --release --example throughput -- [--backward] [N ...]
 //! H=8 D=64 B=1 cargo run --release --example throughput -- 256 1024 4096
 //! ```
 //!
-//! FLOPs counted: `4·B·H·N²·d`, half of that for causal. Each cell is the
-//! median of repeated calls (at least 5, at least 0.3 s). The thread count
-//! is rayon's (`RAYON_NUM_THREADS`).
+//! FLOPs counted: `4·B·H·N²·d`, half of that for causal. With `--backward`,
+//! forward (with its log-sum-exp) plus backward, counted as 3.5 times the
+//! forward's FLOPs, as `../shared/peers/py_backward.py` counts torch's. Each
+//! cell is the median of repeated calls (at least 5, at least 0.3 s). The
+//! thread count is rayon's (`RAYON_NUM_THREADS`).
 
 use std::time::{Duration, Instant};
 
@@ -38,6 +40,7 @@ fn median_seconds(mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
+    let backward = std::env::args().any(|a| a == "--backward");
     let sizes: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())
@@ -52,7 +55,12 @@ fn main() {
         .into_iter()
         .filter(|&set| set != KernelSet::Scalar || std::env::var("SCALAR").is_ok())
         .collect();
-    println!("sdpa B={batch} H={heads} d={d} f32; GFLOP/s (median)");
+    let what = if backward {
+        "forward+backward"
+    } else {
+        "forward"
+    };
+    println!("sdpa {what} B={batch} H={heads} d={d} f32; GFLOP/s (median)");
     print!("{:>6} {:>6}", "N", "causal");
     for set in &sets {
         print!(" {:>12}", format!("sdpa_{set}"));
@@ -66,20 +74,44 @@ fn main() {
         let mut out = Array4::<f32>::zeros((batch, heads, n, d));
         for causal in [false, true] {
             let flops = 4.0 * (batch * heads * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };
+            let flops = if backward { 3.5 * flops } else { flops };
             print!("{n:>6} {:>6}", if causal { "yes" } else { "no" });
             for &set in &sets {
                 let opts = AttentionOptions::new().kernel_set(set);
                 let opts = if causal { opts.causal() } else { opts };
-                let seconds = median_seconds(|| {
-                    sdpa::scaled_dot_product_attention_into(
-                        q.view(),
-                        k.view(),
-                        v.view(),
-                        &opts,
-                        out.view_mut(),
-                    )
-                    .expect("valid shapes");
-                });
+                let seconds = if backward {
+                    median_seconds(|| {
+                        let forward = sdpa::scaled_dot_product_attention_partial(
+                            q.view(),
+                            k.view(),
+                            v.view(),
+                            &opts,
+                        )
+                        .expect("valid shapes");
+                        // Any d_out will do: the work does not depend on it.
+                        sdpa::scaled_dot_product_attention_backward(
+                            q.view(),
+                            k.view(),
+                            v.view(),
+                            &opts,
+                            forward.output(),
+                            forward.log_sum_exp(),
+                            forward.output(),
+                        )
+                        .expect("valid shapes");
+                    })
+                } else {
+                    median_seconds(|| {
+                        sdpa::scaled_dot_product_attention_into(
+                            q.view(),
+                            k.view(),
+                            v.view(),
+                            &opts,
+                            out.view_mut(),
+                        )
+                        .expect("valid shapes");
+                    })
+                };
                 print!(" {:>12.1}", flops / seconds / 1e9);
             }
             println!();

@@ -9,7 +9,9 @@ use num_traits::Float;
 // types in its signature are never visible to users.
 #[allow(private_interfaces)]
 pub(crate) mod sealed {
-    use ndarray::{ArrayView4, ArrayViewMut3, ArrayViewMut4};
+    use ndarray::{ArrayView3, ArrayView4, ArrayViewMut3, ArrayViewMut4};
+
+    use crate::core::backward::GradientsViewMut;
 
     use crate::error::AttentionError;
     use crate::options::AttentionOptions;
@@ -33,9 +35,51 @@ pub(crate) mod sealed {
             out: ArrayViewMut4<'_, Self>,
             log_sum_exp: Option<ArrayViewMut3<'_, Self>>,
         ) -> Result<(), AttentionError>;
+
+        /// Computes the gradients of attention into `gradients`. The
+        /// arguments were checked by `core::backward::check_backward`.
+        #[allow(clippy::too_many_arguments)]
+        fn backward_into_checked(
+            q: &ArrayView4<'_, Self>,
+            k: &ArrayView4<'_, Self>,
+            v: &ArrayView4<'_, Self>,
+            opts: &AttentionOptions<'_, Self>,
+            shape: &AttentionShape,
+            scale: Self,
+            out: &ArrayView4<'_, Self>,
+            log_sum_exp: &ArrayView3<'_, Self>,
+            d_out: &ArrayView4<'_, Self>,
+            gradients: GradientsViewMut<'_, Self>,
+        ) -> Result<(), AttentionError>;
     }
 
     impl Sealed for f32 {
+        fn backward_into_checked(
+            q: &ArrayView4<'_, f32>,
+            k: &ArrayView4<'_, f32>,
+            v: &ArrayView4<'_, f32>,
+            opts: &AttentionOptions<'_, f32>,
+            shape: &AttentionShape,
+            scale: f32,
+            out: &ArrayView4<'_, f32>,
+            log_sum_exp: &ArrayView3<'_, f32>,
+            d_out: &ArrayView4<'_, f32>,
+            gradients: GradientsViewMut<'_, f32>,
+        ) -> Result<(), AttentionError> {
+            crate::fused::backward::backward_into(
+                q,
+                k,
+                v,
+                opts,
+                shape,
+                scale,
+                out,
+                log_sum_exp,
+                d_out,
+                gradients,
+            )
+        }
+
         #[allow(clippy::too_many_arguments)]
         fn attention_into_checked(
             q: &ArrayView4<'_, f32>,
@@ -52,6 +96,33 @@ pub(crate) mod sealed {
     }
 
     impl Sealed for f64 {
+        fn backward_into_checked(
+            q: &ArrayView4<'_, f64>,
+            k: &ArrayView4<'_, f64>,
+            v: &ArrayView4<'_, f64>,
+            opts: &AttentionOptions<'_, f64>,
+            shape: &AttentionShape,
+            scale: f64,
+            out: &ArrayView4<'_, f64>,
+            log_sum_exp: &ArrayView3<'_, f64>,
+            d_out: &ArrayView4<'_, f64>,
+            gradients: GradientsViewMut<'_, f64>,
+        ) -> Result<(), AttentionError> {
+            crate::core::backward::backward_into_checked(
+                q,
+                k,
+                v,
+                opts,
+                shape,
+                scale,
+                out,
+                log_sum_exp,
+                d_out,
+                gradients,
+            );
+            Ok(())
+        }
+
         #[allow(clippy::too_many_arguments)]
         fn attention_into_checked(
             q: &ArrayView4<'_, f64>,

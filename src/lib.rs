@@ -15,7 +15,7 @@ mod sequence;
 mod shape;
 pub mod simd;
 
-use ndarray::{Array4, ArrayView4, ArrayViewMut4};
+use ndarray::{Array4, ArrayView3, ArrayView4, ArrayViewMut4};
 
 pub use crate::core::AttentionGradients;
 pub use attention::{Attention, AttentionConfig, AttentionWeights, CausalAttention};
@@ -95,4 +95,77 @@ pub fn scaled_dot_product_attention_into<F: Element>(
     let (shape, scale) = shape::check(&q, &k, &v, opts)?;
     shape::check_output(&shape, out.shape())?;
     F::attention_into_checked(&q, &k, &v, opts, &shape, scale, out, None)
+}
+
+/// The gradients of a scalar loss with respect to `q`, `k`, `v` and the
+/// bias of an attention call, given the call's output `out`, its per-row
+/// log-sum-exp (both from [`scaled_dot_product_attention_partial`]) and
+/// `d_out`, the gradient of the loss with respect to the output.
+///
+/// `f32` runs the fused backward pass (FlashAttention-2 order, the `P` tiles
+/// recomputed from the log-sum-exp, no `len_q × len_kv` buffer unless a bias
+/// gradient is asked for, bitwise the same for any thread count); `f64` runs
+/// [`core::scaled_dot_product_attention_backward`], the reference. Every
+/// option of the forward is supported; masked entries and rows with no
+/// visible key get exactly zero gradients, and NaN in masked data never
+/// reaches a gradient.
+///
+/// # Errors
+/// As the forward, and when `out`, `log_sum_exp` or `d_out` do not have the
+/// forward's shapes.
+///
+/// ```
+/// use ndarray::Array4;
+/// use sdpa::{scaled_dot_product_attention_backward, scaled_dot_product_attention_partial, AttentionOptions};
+///
+/// let q = Array4::<f32>::from_shape_fn((1, 2, 5, 8), |(_, h, i, d)| ((h + 3 * i + d) % 7) as f32 * 0.2 - 0.5);
+/// let (k, v) = (q.mapv(|x| x * 0.5), q.mapv(|x| 1.0 - x));
+/// let opts = AttentionOptions::new().causal();
+/// let forward = scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), &opts)?;
+/// // The loss is the sum of the outputs, so its gradient is all ones.
+/// let d_out = Array4::<f32>::ones(forward.output().raw_dim());
+/// let grads = scaled_dot_product_attention_backward(
+///     q.view(), k.view(), v.view(), &opts, forward.output(), forward.log_sum_exp(), d_out.view())?;
+/// assert_eq!(grads.d_k.shape(), k.shape());
+/// // Each output row is a weighted mean of values: the weights of a row sum
+/// // to 1, so the gradients with respect to v sum to the number of rows.
+/// assert!((grads.d_v.sum() - 2.0 * 5.0 * 8.0).abs() < 1e-3);
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn scaled_dot_product_attention_backward<F: Element>(
+    q: ArrayView4<'_, F>,
+    k: ArrayView4<'_, F>,
+    v: ArrayView4<'_, F>,
+    opts: &AttentionOptions<'_, F>,
+    out: ArrayView4<'_, F>,
+    log_sum_exp: ArrayView3<'_, F>,
+    d_out: ArrayView4<'_, F>,
+) -> Result<AttentionGradients<F>, AttentionError> {
+    let (shape, scale) =
+        core::backward::check_backward(&q, &k, &v, opts, &out, &log_sum_exp, &d_out)?;
+    let mut gradients = AttentionGradients {
+        d_q: Array4::zeros(q.raw_dim()),
+        d_k: Array4::zeros(k.raw_dim()),
+        d_v: Array4::zeros(v.raw_dim()),
+        d_bias: opts.bias.as_ref().map(|bias| Array4::zeros(bias.raw_dim())),
+    };
+    F::backward_into_checked(
+        &q,
+        &k,
+        &v,
+        opts,
+        &shape,
+        scale,
+        &out,
+        &log_sum_exp,
+        &d_out,
+        core::backward::GradientsViewMut {
+            d_q: gradients.d_q.view_mut(),
+            d_k: gradients.d_k.view_mut(),
+            d_v: gradients.d_v.view_mut(),
+            d_bias: gradients.d_bias.as_mut().map(|d_bias| d_bias.view_mut()),
+        },
+    )?;
+    Ok(gradients)
 }

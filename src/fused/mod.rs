@@ -21,6 +21,8 @@
 //! hold a NaN or infinity take a path that skips zero weights, so `0·NaN`
 //! never happens either.
 
+pub(crate) mod backward;
+
 use std::ops::Range;
 
 use ndarray::{
@@ -362,8 +364,17 @@ pub(crate) struct TileSpan {
 }
 
 impl TileSpan {
-    pub(crate) fn of(at: &TilePosition, opts: &AttentionOptions<'_, f32>, shape: &AttentionShape) -> Self {
-        let mut span = TileSpan { min_start: usize::MAX, max_start: 0, min_end: usize::MAX, max_end: 0 };
+    pub(crate) fn of(
+        at: &TilePosition,
+        opts: &AttentionOptions<'_, f32>,
+        shape: &AttentionShape,
+    ) -> Self {
+        let mut span = TileSpan {
+            min_start: usize::MAX,
+            max_start: 0,
+            min_end: usize::MAX,
+            max_end: 0,
+        };
         for i in at.i0..at.i0 + at.rows {
             let range = opts.visible_range(at.b, i, shape.len_q, shape.len_kv);
             span.min_start = span.min_start.min(range.start);

@@ -292,7 +292,13 @@ pub(crate) unsafe fn softmax_rows<V: Vector>(
 /// V's instruction set is available; `s` has `(rows − 1)·s_stride + keys`
 /// elements and `shift` has `rows`.
 #[inline(always)]
-pub(crate) unsafe fn exp_rows_shifted<V: Vector>(s: *mut f32, rows: usize, keys: usize, s_stride: usize, shift: *const f32) {
+pub(crate) unsafe fn exp_rows_shifted<V: Vector>(
+    s: *mut f32,
+    rows: usize,
+    keys: usize,
+    s_stride: usize,
+    shift: *const f32,
+) {
     // SAFETY (for the whole body): offsets stay within the sizes above.
     unsafe {
         for r in 0..rows {
@@ -503,7 +509,14 @@ pub(crate) trait Kernel: Copy + Send + Sync + 'static {
     ///
     /// # Safety
     /// As [`exp_rows_shifted`], but for the instruction set, which `self` proves.
-    unsafe fn exp_rows_shifted_unchecked(self, s: *mut f32, rows: usize, keys: usize, s_stride: usize, shift: *const f32);
+    unsafe fn exp_rows_shifted_unchecked(
+        self,
+        s: *mut f32,
+        rows: usize,
+        keys: usize,
+        s_stride: usize,
+        shift: *const f32,
+    );
 
     /// [`row_scores`] with this set's vectors.
     ///
@@ -637,7 +650,9 @@ pub(crate) trait Kernel: Copy + Send + Sync + 'static {
         assert!(keys.is_multiple_of(Self::LANES) && keys <= s_stride);
         assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
         // SAFETY: the sizes were checked above; `self` proves the CPU.
-        unsafe { self.exp_rows_shifted_unchecked(s.as_mut_ptr(), rows, keys, s_stride, shift.as_ptr()) }
+        unsafe {
+            self.exp_rows_shifted_unchecked(s.as_mut_ptr(), rows, keys, s_stride, shift.as_ptr())
+        }
     }
 
     /// `s[r][j] = q[r]·k[j]` ([`row_scores`]) for the rows of `q` (`[rows][d]`)

@@ -1,0 +1,199 @@
+//! The fused `f32` backward pass against the `f64` reference, on every
+//! kernel set, odd shapes, every option and masked garbage.
+
+use ndarray::{Array4, s};
+use proptest::prelude::*;
+use sdpa::simd::available_kernel_sets;
+use sdpa::{
+    AttentionOptions, CausalAlignment, scaled_dot_product_attention_backward,
+    scaled_dot_product_attention_partial,
+};
+
+fn data(dim: (usize, usize, usize, usize), seed: u64) -> Array4<f64> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    Array4::from_shape_simple_fn(dim, || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    })
+}
+
+/// The options of case `case` (0..8).
+fn options<'a, F: Copy + From<f32>>(
+    case: usize,
+    keep: &'a Array4<bool>,
+    bias: &'a Array4<F>,
+    lengths: &'a [usize],
+) -> AttentionOptions<'a, F> {
+    match case {
+        0 => AttentionOptions::new(),
+        1 => AttentionOptions::new().causal(),
+        2 => AttentionOptions::new()
+            .causal_aligned(CausalAlignment::TopLeft)
+            .keep_mask(keep.view()),
+        3 => AttentionOptions::new()
+            .bias(bias.view())
+            .key_lengths(lengths),
+        4 => AttentionOptions::new().window(5).bias(bias.view()),
+        5 => AttentionOptions::new()
+            .causal()
+            .keep_mask(keep.view())
+            .key_lengths(lengths),
+        6 => AttentionOptions::new()
+            .scale(F::from(0.3))
+            .bias(bias.view())
+            .causal(),
+        _ => AttentionOptions::new()
+            .keep_mask(keep.view())
+            .bias(bias.view()),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check(
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    len_q: usize,
+    len_kv: usize,
+    d_k: usize,
+    d_v: usize,
+    case: usize,
+    seed: u64,
+    poison_masked: bool,
+) {
+    let q = data((batch, heads, len_q, d_k), seed);
+    let mut k = data((batch, kv_heads, len_kv, d_k), seed ^ 1);
+    let mut v = data((batch, kv_heads, len_kv, d_v), seed ^ 2);
+    let keep = data((batch, 1, len_q, len_kv), seed ^ 3).mapv(|x| x > -0.6);
+    // Bias broadcast over the batch: its gradient sums over it.
+    let bias = data((1, heads, len_q, len_kv), seed ^ 4);
+    let d_out = data((batch, heads, len_q, d_v), seed ^ 5);
+    let lengths: Vec<usize> = (0..batch).map(|b| len_kv * (b + 1) / (batch + 1)).collect();
+    if poison_masked && case == 3 && batch > 0 {
+        // Keys past item 0's length are padding: fill them with garbage.
+        k.slice_mut(s![0, .., lengths[0].., ..]).fill(f64::NAN);
+        v.slice_mut(s![0, .., lengths[0].., ..]).fill(f64::INFINITY);
+    }
+    let opts = options(case, &keep, &bias, &lengths);
+    let forward =
+        scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), &opts).unwrap();
+    let expected = sdpa::core::scaled_dot_product_attention_backward(
+        q.view(),
+        k.view(),
+        v.view(),
+        &opts,
+        forward.output(),
+        forward.log_sum_exp(),
+        d_out.view(),
+    )
+    .unwrap();
+    let f32s = |x: &Array4<f64>| x.mapv(|x| x as f32);
+    let (q32, k32, v32, bias32, d_out32) =
+        (f32s(&q), f32s(&k), f32s(&v), f32s(&bias), f32s(&d_out));
+    for set in available_kernel_sets() {
+        let opts = options(case, &keep, &bias32, &lengths).kernel_set(set);
+        let forward =
+            scaled_dot_product_attention_partial(q32.view(), k32.view(), v32.view(), &opts)
+                .unwrap();
+        let got = scaled_dot_product_attention_backward(
+            q32.view(),
+            k32.view(),
+            v32.view(),
+            &opts,
+            forward.output(),
+            forward.log_sum_exp(),
+            d_out32.view(),
+        )
+        .unwrap();
+        let close = |name: &str, got: &Array4<f32>, expected: &Array4<f64>| {
+            let scale = 1.0 + expected.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            for ((index, &g), &e) in got.indexed_iter().zip(expected.iter()) {
+                assert!(
+                    g.is_finite() && (g as f64 - e).abs() <= 2e-5 * scale,
+                    "{set}, case {case}, q {:?} k {:?} v {:?}: {name}{index:?} = {g}, reference {e}",
+                    q.shape(),
+                    k.shape(),
+                    v.shape()
+                );
+            }
+        };
+        close("d_q", &got.d_q, &expected.d_q);
+        close("d_k", &got.d_k, &expected.d_k);
+        close("d_v", &got.d_v, &expected.d_v);
+        match (&got.d_bias, &expected.d_bias) {
+            (Some(g), Some(e)) => close("d_bias", g, e),
+            (None, None) => {}
+            _ => panic!("d_bias present in one result only"),
+        }
+    }
+}
+
+#[test]
+fn every_kernel_set_matches_the_reference_on_odd_shapes_and_every_option() {
+    let dims = [1, 3, 8, 16, 17, 33, 64, 65];
+    let lengths = [
+        (0, 5),
+        (5, 0),
+        (1, 1),
+        (7, 13),
+        (13, 7),
+        (64, 64),
+        (70, 130),
+        (97, 97),
+    ];
+    for case in 0..8 {
+        for (n, &(len_q, len_kv)) in lengths.iter().enumerate() {
+            let (d_k, d_v) = (
+                dims[(n + case) % dims.len()],
+                dims[(n * 3 + case) % dims.len()],
+            );
+            check(
+                2,
+                4,
+                2,
+                len_q,
+                len_kv,
+                d_k,
+                d_v,
+                case,
+                (case * 31 + n) as u64,
+                false,
+            );
+        }
+    }
+}
+
+#[test]
+fn masked_nan_and_infinity_never_reach_a_gradient() {
+    for (len_q, len_kv) in [(9, 70), (70, 130)] {
+        check(2, 2, 1, len_q, len_kv, 16, 8, 3, 11, true);
+    }
+}
+
+#[test]
+fn long_sequences_cross_many_tiles() {
+    for case in [0, 1, 6] {
+        check(1, 2, 2, 300, 260, 64, 64, case, 12, false);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn random_shapes_match_the_reference(
+        batch in 1usize..3,
+        group in 1usize..3,
+        kv_heads in 1usize..3,
+        len_q in 0usize..40,
+        len_kv in 0usize..80,
+        d_k in 1usize..40,
+        d_v in 1usize..40,
+        case in 0usize..8,
+        seed in any::<u64>(),
+    ) {
+        check(batch, group * kv_heads, kv_heads, len_q, len_kv, d_k, d_v, case, seed, false);
+    }
+}
