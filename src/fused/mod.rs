@@ -320,20 +320,25 @@ impl PackedKeysValues {
     pub(crate) fn pack<K: Kernel>(&mut self, k: ArrayView2<'_, f32>, v: ArrayView2<'_, f32>) {
         let d_k = k.ncols();
         let panel = K::KEY_PANEL;
+        // Key j is column j % panel of panel j / panel, a `[d_k][panel]` block.
         for (j, key) in k.rows().into_iter().enumerate() {
-            let base = (j / panel) * panel * d_k + j % panel;
-            for (dd, &x) in key.iter().enumerate() {
-                self.key_panels[base + dd * panel] = x;
+            let column = &mut self.key_panels[(j / panel) * panel * d_k + j % panel..];
+            for (packed, &x) in column.iter_mut().step_by(panel).zip(key.iter()) {
+                *packed = x;
             }
         }
         self.tile_has_nonfinite_values.fill(false);
         for (j, (value, mut packed)) in v.rows().into_iter().zip(self.values.rows_mut()).enumerate()
         {
-            packed
-                .iter_mut()
-                .zip(value.iter())
-                .for_each(|(packed, &x)| *packed = x);
-            if !value.iter().all(|x| x.is_finite()) {
+            let packed = packed.as_slice_mut().expect("packed rows are contiguous");
+            match value.as_slice() {
+                Some(value) => packed[..value.len()].copy_from_slice(value),
+                None => packed
+                    .iter_mut()
+                    .zip(value.iter())
+                    .for_each(|(packed, &x)| *packed = x),
+            }
+            if !packed.iter().all(|x| x.is_finite()) {
                 self.tile_has_nonfinite_values[j / KEY_TILE] = true;
             }
         }
