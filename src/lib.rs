@@ -144,12 +144,7 @@ pub fn scaled_dot_product_attention_backward<F: Element>(
 ) -> Result<AttentionGradients<F>, AttentionError> {
     let (shape, scale) =
         core::backward::check_backward(&q, &k, &v, opts, &out, &log_sum_exp, &d_out)?;
-    let mut gradients = AttentionGradients {
-        d_q: Array4::zeros(q.raw_dim()),
-        d_k: Array4::zeros(k.raw_dim()),
-        d_v: Array4::zeros(v.raw_dim()),
-        d_bias: opts.bias.as_ref().map(|bias| Array4::zeros(bias.raw_dim())),
-    };
+    let mut gradients = AttentionGradients::zeros(&q, &k, &v, opts);
     F::backward_into_checked(
         &q,
         &k,
@@ -160,12 +155,7 @@ pub fn scaled_dot_product_attention_backward<F: Element>(
         &out,
         &log_sum_exp,
         &d_out,
-        core::backward::GradientsViewMut {
-            d_q: gradients.d_q.view_mut(),
-            d_k: gradients.d_k.view_mut(),
-            d_v: gradients.d_v.view_mut(),
-            d_bias: gradients.d_bias.as_mut().map(|d_bias| d_bias.view_mut()),
-        },
+        gradients.view_mut(),
     )?;
     Ok(gradients)
 }

@@ -143,12 +143,7 @@ pub fn scaled_dot_product_attention_backward<F: Element>(
     d_out: ArrayView4<'_, F>,
 ) -> Result<AttentionGradients<F>, AttentionError> {
     let (shape, scale) = check_backward(&q, &k, &v, opts, &out, &log_sum_exp, &d_out)?;
-    let mut gradients = AttentionGradients {
-        d_q: Array4::zeros(q.raw_dim()),
-        d_k: Array4::zeros(k.raw_dim()),
-        d_v: Array4::zeros(v.raw_dim()),
-        d_bias: opts.bias.as_ref().map(|bias| Array4::zeros(bias.raw_dim())),
-    };
+    let mut gradients = AttentionGradients::zeros(&q, &k, &v, opts);
     backward_into_checked(
         &q,
         &k,
@@ -159,12 +154,7 @@ pub fn scaled_dot_product_attention_backward<F: Element>(
         &out,
         &log_sum_exp,
         &d_out,
-        GradientsViewMut {
-            d_q: gradients.d_q.view_mut(),
-            d_k: gradients.d_k.view_mut(),
-            d_v: gradients.d_v.view_mut(),
-            d_bias: gradients.d_bias.as_mut().map(|d_bias| d_bias.view_mut()),
-        },
+        gradients.view_mut(),
     );
     Ok(gradients)
 }
@@ -203,6 +193,33 @@ pub(crate) fn check_backward<F: Element>(
         )));
     }
     Ok((shape, scale))
+}
+
+impl<F: Element> AttentionGradients<F> {
+    /// Zero gradients shaped like `q`, `k`, `v` and the options' bias.
+    pub(crate) fn zeros(
+        q: &ArrayView4<'_, F>,
+        k: &ArrayView4<'_, F>,
+        v: &ArrayView4<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Self {
+        AttentionGradients {
+            d_q: Array4::zeros(q.raw_dim()),
+            d_k: Array4::zeros(k.raw_dim()),
+            d_v: Array4::zeros(v.raw_dim()),
+            d_bias: opts.bias.as_ref().map(|bias| Array4::zeros(bias.raw_dim())),
+        }
+    }
+
+    /// Views to write every gradient through.
+    pub(crate) fn view_mut(&mut self) -> GradientsViewMut<'_, F> {
+        GradientsViewMut {
+            d_q: self.d_q.view_mut(),
+            d_k: self.d_k.view_mut(),
+            d_v: self.d_v.view_mut(),
+            d_bias: self.d_bias.as_mut().map(|d_bias| d_bias.view_mut()),
+        }
+    }
 }
 
 /// Mutable views of the gradients a backward pass writes; `d_bias` has the

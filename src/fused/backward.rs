@@ -32,7 +32,7 @@ use ndarray::{Array2, ArrayView3, ArrayView4, Axis, s};
 
 use super::{
     KEY_TILE, PackedKeysValues, QUERY_TILE, TilePosition, TileSpan,
-    accumulate_skipping_zero_weights, add_bias, mask,
+    accumulate_skipping_zero_weights, add_bias, kernel_set, mask,
 };
 use crate::core::backward::GradientsViewMut;
 use crate::core::{head, head_mut};
@@ -57,10 +57,6 @@ pub(crate) fn backward_into(
     d_out: &ArrayView4<'_, f32>,
     gradients: GradientsViewMut<'_, f32>,
 ) -> Result<(), AttentionError> {
-    let set = match opts.kernel_set {
-        Some(set) => simd::check_available(set)?,
-        None => simd::selected_kernel_set()?,
-    };
     let inputs = BackwardInputs {
         q,
         k,
@@ -72,7 +68,7 @@ pub(crate) fn backward_into(
         log_sum_exp,
         d_out,
     };
-    simd::with_kernel(set, FusedBackward { inputs, gradients })
+    simd::with_kernel(kernel_set(opts)?, FusedBackward { inputs, gradients })
 }
 
 /// The inputs of one backward call.

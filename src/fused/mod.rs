@@ -52,6 +52,17 @@ pub(crate) const DECODE_MAX_QUERIES: usize = 8;
 /// does not depend on the thread count.
 pub(crate) const DECODE_CHUNK: usize = 1024;
 
+/// The kernel set a call runs on: the options', else the one chosen at
+/// run time.
+pub(crate) fn kernel_set(
+    opts: &AttentionOptions<'_, f32>,
+) -> Result<simd::KernelSet, AttentionError> {
+    match opts.kernel_set {
+        Some(set) => simd::check_available(set),
+        None => simd::selected_kernel_set(),
+    }
+}
+
 /// Attention on the fused path, with the kernel set the options or the
 /// environment choose.
 #[allow(clippy::too_many_arguments)]
@@ -65,12 +76,8 @@ pub(crate) fn attention_into(
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
-    let set = match opts.kernel_set {
-        Some(set) => simd::check_available(set)?,
-        None => simd::selected_kernel_set()?,
-    };
     simd::with_kernel(
-        set,
+        kernel_set(opts)?,
         FusedAttention {
             q,
             k,
