@@ -28,7 +28,7 @@
 //! product for `dQ`, and the query rows that see no key are zeroed before
 //! they take part in `dK` and `dV`.
 
-use ndarray::{Array2, ArrayView3, ArrayView4, Axis, s};
+use ndarray::{Array2, ArrayView1, ArrayView3, ArrayView4, Axis, s};
 
 use super::{
     KEY_TILE, PackedKeysValues, QUERY_TILE, TilePosition, TileSpan,
@@ -129,8 +129,8 @@ impl WithKernel for FusedBackward<'_, '_, '_, '_> {
             .collect();
         let results = map_with(
             jobs.clone(),
-            || (),
-            |_, (b, kv_h)| head_gradients(kernel, &inputs, b, kv_h),
+            || BackwardScratch::new::<K>(&shape),
+            |scratch, (b, kv_h)| head_gradients(kernel, &inputs, scratch, b, kv_h),
         );
         // Written in job order, so sums over broadcast bias dimensions are
         // the same for any thread count.
@@ -159,17 +159,20 @@ impl WithKernel for FusedBackward<'_, '_, '_, '_> {
 fn head_gradients<K: Kernel>(
     kernel: K,
     inputs: &BackwardInputs<'_, '_, '_>,
+    buffers: &mut BackwardScratch,
     b: usize,
     kv_h: usize,
 ) -> HeadGradients {
     let shape = *inputs.shape;
     let (len_q, len_kv, d_k, d_v) = (shape.len_q, shape.len_kv, shape.d_k, shape.d_v);
     let (k_head, v_head) = (head(inputs.k, b, kv_h), head(inputs.v, b, kv_h));
-    // Keys packed as panels (for S) with values as rows; values packed as
-    // panels (for dP) with keys as rows (for dQ).
-    let mut keys_first = PackedKeysValues::new::<K>(len_kv, d_k, d_v);
+    let BackwardScratch {
+        keys_first,
+        values_first,
+        rows,
+        tiles: scratch,
+    } = buffers;
     keys_first.pack::<K>(k_head, v_head);
-    let mut values_first = PackedKeysValues::new::<K>(len_kv, d_v, d_k);
     values_first.pack::<K>(v_head, k_head);
     let k_width = d_k.div_ceil(K::LANES) * K::LANES;
     let v_width = d_v.div_ceil(K::LANES) * K::LANES;
@@ -180,9 +183,8 @@ fn head_gradients<K: Kernel>(
     let group = shape.heads / shape.kv_heads;
     let mut d_q = Vec::with_capacity(group);
     let mut d_scores = Vec::with_capacity(group);
-    let mut scratch = TileBuffers::new::<K>();
     for h in kv_h * group..(kv_h + 1) * group {
-        let rows = QueryRows::pack::<K>(inputs, b, h);
+        rows.fill(inputs, b, h);
         let mut d_q_acc = Array2::<f32>::zeros((rows.padded, k_width));
         let mut d_scores_h = inputs
             .opts
@@ -231,8 +233,31 @@ fn head_gradients<K: Kernel>(
     }
 }
 
-/// One query head's rows, packed for the kernels; rows padded to the
-/// kernel's register tile. Rows that see no key (log-sum-exp `−inf`) and
+/// The buffers of a thread's work items, reused from item to item (every
+/// item of a call has the same shapes, and packing rewrites all but the
+/// padding, which stays zero).
+struct BackwardScratch {
+    /// Keys packed as panels (for `S`) with values as rows.
+    keys_first: PackedKeysValues,
+    /// Values packed as panels (for `dP`) with keys as rows (for `dQ`).
+    values_first: PackedKeysValues,
+    rows: QueryRows,
+    tiles: TileBuffers,
+}
+
+impl BackwardScratch {
+    fn new<K: Kernel>(shape: &AttentionShape) -> Self {
+        BackwardScratch {
+            keys_first: PackedKeysValues::new::<K>(shape.len_kv, shape.d_k, shape.d_v),
+            values_first: PackedKeysValues::new::<K>(shape.len_kv, shape.d_v, shape.d_k),
+            rows: QueryRows::new::<K>(shape),
+            tiles: TileBuffers::new::<K>(),
+        }
+    }
+}
+
+/// One query head's rows, packed for the kernels; rows padded to whole
+/// query tiles. Rows that see no key (log-sum-exp `−inf`) and
 /// padding rows are zero, and their log-sum-exp is `−inf`, so they add
 /// nothing anywhere.
 struct QueryRows {
@@ -249,15 +274,15 @@ struct QueryRows {
 }
 
 impl QueryRows {
-    fn pack<K: Kernel>(inputs: &BackwardInputs<'_, '_, '_>, b: usize, h: usize) -> Self {
-        let shape = inputs.shape;
-        let (len_q, d_k, d_v) = (shape.len_q, shape.d_k, shape.d_v);
-        let padded = len_q.div_ceil(QUERY_TILE) * QUERY_TILE;
+    /// Zeroed buffers for one query head of `shape`.
+    fn new<K: Kernel>(shape: &AttentionShape) -> Self {
+        let (d_k, d_v) = (shape.d_k, shape.d_v);
+        let padded = shape.len_q.div_ceil(QUERY_TILE) * QUERY_TILE;
         let (k_width, v_width) = (
             d_k.div_ceil(K::LANES) * K::LANES,
             d_v.div_ceil(K::LANES) * K::LANES,
         );
-        let mut rows = QueryRows {
+        QueryRows {
             q_scaled: vec![0.0; padded * d_k],
             q_scaled_rows: Array2::zeros((padded, k_width)),
             d_out: vec![0.0; padded * d_v],
@@ -265,7 +290,14 @@ impl QueryRows {
             delta: vec![0.0; padded],
             log_sum_exp: vec![f32::NEG_INFINITY; padded],
             padded,
-        };
+        }
+    }
+
+    /// Packs query head `h` of batch item `b`. Every real row is written
+    /// (zeros for rows that see no key); padding rows stay as `new` made
+    /// them, so the buffers serve head after head.
+    fn fill(&mut self, inputs: &BackwardInputs<'_, '_, '_>, b: usize, h: usize) {
+        let (d_k, d_v) = (inputs.shape.d_k, inputs.shape.d_v);
         let (q, out, d_out) = (
             head(inputs.q, b, h),
             head(inputs.out, b, h),
@@ -275,27 +307,55 @@ impl QueryRows {
             .log_sum_exp
             .index_axis(Axis(0), b)
             .index_axis_move(Axis(0), h);
-        for i in 0..len_q {
-            if lse[i] == f32::NEG_INFINITY {
-                continue;
-            }
-            rows.log_sum_exp[i] = lse[i];
-            for (c, &x) in q.row(i).iter().enumerate() {
-                rows.q_scaled[i * d_k + c] = inputs.scale * x;
-                rows.q_scaled_rows[[i, c]] = inputs.scale * x;
-            }
-            for (c, &x) in d_out.row(i).iter().enumerate() {
-                rows.d_out[i * d_v + c] = x;
-                rows.d_out_rows[[i, c]] = x;
-            }
-            rows.delta[i] = d_out
-                .row(i)
-                .iter()
-                .zip(out.row(i))
-                .map(|(&g, &o)| g * o)
-                .sum();
+        let rows = q
+            .rows()
+            .into_iter()
+            .zip(out.rows())
+            .zip(d_out.rows())
+            .zip(&lse)
+            .zip(self.q_scaled.chunks_exact_mut(d_k))
+            .zip(self.q_scaled_rows.rows_mut())
+            .zip(self.d_out.chunks_exact_mut(d_v))
+            .zip(self.d_out_rows.rows_mut())
+            .zip(self.delta.iter_mut().zip(self.log_sum_exp.iter_mut()));
+        for (
+            (((((((q, out), d_out), &lse), q_scaled), mut q_row), d_out_packed), mut d_out_row),
+            (delta, lse_packed),
+        ) in rows
+        {
+            // Rows that see no key are zero, whatever q and d_out hold there.
+            let sees_keys = lse != f32::NEG_INFINITY;
+            *lse_packed = lse;
+            copy_scaled(q_scaled, q, if sees_keys { inputs.scale } else { 0.0 });
+            copy_scaled(d_out_packed, d_out, if sees_keys { 1.0 } else { 0.0 });
+            q_row.as_slice_mut().expect("contiguous")[..d_k].copy_from_slice(q_scaled);
+            d_out_row.as_slice_mut().expect("contiguous")[..d_v].copy_from_slice(d_out_packed);
+            *delta = if sees_keys {
+                d_out_packed
+                    .iter()
+                    .zip(out.iter())
+                    .map(|(&g, &o)| g * o)
+                    .sum()
+            } else {
+                0.0
+            };
         }
-        rows
+    }
+}
+
+/// `to[c] = factor · from[c]`, on slices when `from` is contiguous. A zero
+/// factor writes zeros even where `from` holds NaN.
+fn copy_scaled(to: &mut [f32], from: ArrayView1<'_, f32>, factor: f32) {
+    if factor == 0.0 {
+        to.fill(0.0);
+        return;
+    }
+    match from.as_slice() {
+        Some(from) => to.iter_mut().zip(from).for_each(|(t, &x)| *t = factor * x),
+        None => to
+            .iter_mut()
+            .zip(from.iter())
+            .for_each(|(t, &x)| *t = factor * x),
     }
 }
 
