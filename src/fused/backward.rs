@@ -19,8 +19,9 @@
 //!
 //! Every product runs on the forward's two kernels: `scores` (rows against
 //! packed panels: `S` with keys packed, `dP` with values packed the same way)
-//! and `accumulate_values` (rows of weights times rows: the transposed tiles
-//! `Pᵀ` and `dSᵀ` for `dV` and `dK`, `dS` for `dQ`).
+//! and `accumulate_values` (rows of weights times rows: `Pᵀ` and `dSᵀ`, read
+//! from the same tiles with their strides swapped, for `dV` and `dK`; `dS`
+//! for `dQ`).
 //!
 //! Masked entries are selected out as in the forward: `P = 0` there, `dS`
 //! is set to 0 rather than computed as `0·(dP − D)` (a masked value may be
@@ -28,7 +29,7 @@
 //! product for `dQ`, and the query rows that see no key are zeroed before
 //! they take part in `dK` and `dV`.
 
-use ndarray::{Array2, ArrayView1, ArrayView3, ArrayView4, Axis, s};
+use ndarray::{Array2, ArrayView1, ArrayView2, ArrayView3, ArrayView4, Axis, s};
 
 use super::{
     KEY_TILE, PackedKeysValues, QUERY_TILE, TilePosition, TileSpan,
@@ -212,9 +213,9 @@ fn head_gradients<K: Kernel>(
                     kernel,
                     inputs,
                     &step,
-                    &rows,
-                    &keys_first,
-                    &values_first,
+                    rows,
+                    keys_first,
+                    values_first,
                     &mut d_k_acc,
                     &mut d_v_acc,
                     &mut d_q_acc,
@@ -374,8 +375,6 @@ struct TileBuffers {
     p: Vec<f32>,
     /// `dP`, then `dS`, `[QUERY_TILE][KEY_TILE]`.
     d_s: Vec<f32>,
-    /// `Pᵀ` or `dSᵀ`, `[KEY_TILE][QUERY_TILE]`.
-    transposed: Vec<f32>,
     /// All ones: the `α` of accumulations that only add.
     ones: Vec<f32>,
 }
@@ -386,7 +385,6 @@ impl TileBuffers {
         TileBuffers {
             p: vec![0.0; rows * KEY_TILE],
             d_s: vec![0.0; rows * KEY_TILE],
-            transposed: vec![0.0; KEY_TILE * rows],
             ones: vec![1.0; rows.max(KEY_TILE)],
         }
     }
@@ -429,15 +427,14 @@ impl TileBuffers {
         }
         kernel.exp_rows_shifted(p, KEY_TILE, KEY_TILE, &rows.log_sum_exp[i0..i0 + n]);
 
-        // dV_j += Pᵀ · dO_i.
-        transpose(p, n, &mut self.transposed[..KEY_TILE * n]);
+        // dV_j += Pᵀ · dO_i (Pᵀ is P read with its strides swapped).
+        let p_tile = ArrayView2::from_shape((n, KEY_TILE), &*p).expect("a whole tile");
         let d_v_tile = d_v_acc
             .slice_mut(s![j0..j0 + KEY_TILE, ..])
             .into_slice()
             .expect("a standard-layout tile");
         kernel.accumulate_values(
-            &self.transposed[..KEY_TILE * n],
-            n,
+            p_tile.t(),
             rows.d_out_rows.slice(s![i0..i0 + n, ..]),
             v_width,
             &self.ones[..KEY_TILE],
@@ -472,14 +469,13 @@ impl TileBuffers {
         }
 
         // dK_j += dSᵀ · (scale·Q_i).
-        transpose(d_s, n, &mut self.transposed[..KEY_TILE * n]);
+        let d_s_tile = ArrayView2::from_shape((n, KEY_TILE), &*d_s).expect("a whole tile");
         let d_k_tile = d_k_acc
             .slice_mut(s![j0..j0 + KEY_TILE, ..])
             .into_slice()
             .expect("a standard-layout tile");
         kernel.accumulate_values(
-            &self.transposed[..KEY_TILE * n],
-            n,
+            d_s_tile.t(),
             rows.q_scaled_rows.slice(s![i0..i0 + n, ..]),
             k_width,
             &self.ones[..KEY_TILE],
@@ -493,32 +489,9 @@ impl TileBuffers {
             .into_slice()
             .expect("a standard-layout tile");
         if values_first.tile_has_nonfinite_values[t] {
-            accumulate_skipping_zero_weights(d_s, KEY_TILE, k_rows, &self.ones[..n], d_q_tile);
+            accumulate_skipping_zero_weights(d_s_tile, k_rows, &self.ones[..n], d_q_tile);
         } else {
-            kernel.accumulate_values(d_s, KEY_TILE, k_rows, k_width, &self.ones[..n], d_q_tile);
+            kernel.accumulate_values(d_s_tile, k_rows, k_width, &self.ones[..n], d_q_tile);
         }
-    }
-}
-
-/// `to[j][r] = from[r][j]` for `rows` rows of `KEY_TILE`.
-fn transpose(from: &[f32], rows: usize, to: &mut [f32]) {
-    for (r, row) in from.chunks_exact(KEY_TILE).take(rows).enumerate() {
-        for (j, &x) in row.iter().enumerate() {
-            to[j * rows + r] = x;
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::transpose;
-    use crate::fused::KEY_TILE;
-
-    #[test]
-    fn transpose_swaps_rows_and_columns() {
-        let from: Vec<f32> = (0..3 * KEY_TILE).map(|x| x as f32).collect();
-        let mut to = vec![0.0; 3 * KEY_TILE];
-        transpose(&from, 3, &mut to);
-        assert_eq!(to[5 * 3 + 2], from[2 * KEY_TILE + 5]);
     }
 }

@@ -453,10 +453,9 @@ pub(crate) fn mask(
 /// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` term by term for the
 /// `alpha.len()` rows, skipping zero weights so that a NaN or infinite
 /// value of a masked key cannot turn into `0·NaN`. `o` has rows of
-/// `o.len() / rows` numbers; `p` has row stride `p_stride`.
+/// `o.len() / rows` numbers.
 pub(crate) fn accumulate_skipping_zero_weights(
-    p: &[f32],
-    p_stride: usize,
+    p: ArrayView2<'_, f32>,
     values: ArrayView2<'_, f32>,
     alpha: &[f32],
     o: &mut [f32],
@@ -468,7 +467,7 @@ pub(crate) fn accumulate_skipping_zero_weights(
     for (r, o) in o.chunks_exact_mut(width).enumerate() {
         o.iter_mut().for_each(|x| *x *= alpha[r]);
         for (j, value) in values.rows().into_iter().enumerate() {
-            let weight = p[r * p_stride + j];
+            let weight = p[[r, j]];
             if weight != 0.0 {
                 for (x, &v) in o.iter_mut().zip(value) {
                     *x += weight * v;
@@ -600,18 +599,13 @@ impl TileScratch {
                     (values, masked && !values.iter().all(|x| x.is_finite()))
                 }
             };
+            let p = ArrayView2::from_shape((rows, KEY_TILE), &self.scores[..rows * KEY_TILE])
+                .expect("a whole tile");
+            let (alpha, o) = (&self.alpha[..rows], &mut self.o[..rows * width]);
             if nonfinite {
-                let (p, o) = (&self.scores[..rows * KEY_TILE], &mut self.o[..rows * width]);
-                accumulate_skipping_zero_weights(p, KEY_TILE, values, &self.alpha[..rows], o);
+                accumulate_skipping_zero_weights(p, values, alpha, o);
             } else {
-                kernel.accumulate_values(
-                    &self.scores[..rows * KEY_TILE],
-                    KEY_TILE,
-                    values,
-                    width,
-                    &self.alpha[..rows],
-                    &mut self.o[..rows * width],
-                );
+                kernel.accumulate_values(p, values, width, alpha, o);
             }
         }
     }

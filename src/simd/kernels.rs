@@ -113,6 +113,55 @@ pub(crate) unsafe fn exp<V: Vector>(x: V) -> V {
     }
 }
 
+/// A matrix of weights in memory with any strides: entry `(r, j)` is at
+/// `ptr + r·row_stride + j·key_stride` (so a transposed tile is the same
+/// memory with the strides swapped).
+#[derive(Clone, Copy)]
+pub(crate) struct Weights {
+    pub ptr: *const f32,
+    pub row_stride: isize,
+    pub key_stride: isize,
+}
+
+impl Weights {
+    /// The entries of `view`.
+    fn of(view: &ArrayView2<'_, f32>) -> Self {
+        let strides = view.strides();
+        Self {
+            ptr: view.as_ptr(),
+            row_stride: strides[0],
+            key_stride: strides[1],
+        }
+    }
+
+    /// The same matrix from row `r` on.
+    ///
+    /// # Safety
+    /// Row `r` exists in the matrix.
+    #[inline(always)]
+    unsafe fn starting_at_row(self, r: usize) -> Self {
+        // SAFETY: the caller guarantees row `r` is in the matrix.
+        Self {
+            ptr: unsafe { self.ptr.offset(r as isize * self.row_stride) },
+            ..self
+        }
+    }
+
+    /// Entry `(r, j)`.
+    ///
+    /// # Safety
+    /// The entry exists in the matrix.
+    #[inline(always)]
+    unsafe fn at(self, r: usize, j: usize) -> f32 {
+        // SAFETY: the caller guarantees the entry is in the matrix.
+        unsafe {
+            *self
+                .ptr
+                .offset(r as isize * self.row_stride + j as isize * self.key_stride)
+        }
+    }
+}
+
 /// `s[r][j] = Σ_d q[r][d] · k[j][d]` for `rows` query rows (a multiple of
 /// `MR`) and `keys` keys (a multiple of `NV·LANES`).
 ///
@@ -320,16 +369,15 @@ pub(crate) unsafe fn exp_rows_shifted<V: Vector>(
 /// `V::LANES`) of `v`'s rows and of row-major `o`, `NV` vectors at a time.
 ///
 /// # Safety
-/// V's instruction set is available; `p` has `(rows − 1)·p_stride + keys`
-/// elements, `v` has `keys` rows of at least `value_width`, `o` has
+/// V's instruction set is available; `p` has `rows` rows of `keys`
+/// entries, `v` has `keys` rows of at least `value_width`, `o` has
 /// `rows·value_width` and `alpha` has `rows` elements.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn accumulate_values<V: Vector, const MR: usize, const NV: usize>(
-    p: *const f32,
+    p: Weights,
     rows: usize,
     keys: usize,
-    p_stride: usize,
     v: Rows,
     value_width: usize,
     alpha: *const f32,
@@ -340,9 +388,8 @@ pub(crate) unsafe fn accumulate_values<V: Vector, const MR: usize, const NV: usi
     // last few rows) inside the sizes the caller guarantees.
     unsafe {
         let block = |r0: usize| ValueBlock {
-            p: p.add(r0 * p_stride),
+            p: p.starting_at_row(r0),
             keys,
-            p_stride,
             v,
             value_width,
             alpha: alpha.add(r0),
@@ -370,9 +417,8 @@ pub(crate) unsafe fn accumulate_values<V: Vector, const MR: usize, const NV: usi
 /// `MR` rows of [`accumulate_values`], starting at their first row.
 #[derive(Clone, Copy)]
 struct ValueBlock {
-    p: *const f32,
+    p: Weights,
     keys: usize,
-    p_stride: usize,
     v: Rows,
     value_width: usize,
     alpha: *const f32,
@@ -425,7 +471,7 @@ impl ValueBlock {
                 }
                 let v_vectors: [V; W] = std::array::from_fn(|c| V::load(v_row.add(c * V::LANES)));
                 for (r, acc_row) in acc.iter_mut().enumerate() {
-                    let weight = V::splat(*self.p.add(r * self.p_stride + j));
+                    let weight = V::splat(self.p.at(r, j));
                     for (x, &vv) in acc_row.iter_mut().zip(&v_vectors) {
                         *x = weight.mul_add(vv, *x);
                     }
@@ -495,10 +541,9 @@ pub(crate) trait Kernel: Copy + Send + Sync + 'static {
     #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate_values_unchecked(
         self,
-        p: *const f32,
+        p: Weights,
         rows: usize,
         keys: usize,
-        p_stride: usize,
         v: Rows,
         value_width: usize,
         alpha: *const f32,
@@ -602,15 +647,15 @@ pub(crate) trait Kernel: Copy + Send + Sync + 'static {
     }
 
     /// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` ([`accumulate_values`]) for
-    /// the `alpha.len()` rows, the keys that are `v`'s rows, and the first
+    /// the `alpha.len()` rows of `p` (any strides: `p.t()` of a tile is its
+    /// transpose, with no copy), the keys that are `v`'s rows, and the first
     /// `value_width` columns of `v` and `o`.
     ///
     /// # Panics
     /// When a size does not fit (a bug in the driver, never bad user input).
     fn accumulate_values(
         self,
-        p: &[f32],
-        p_stride: usize,
+        p: ArrayView2<'_, f32>,
         v: ArrayView2<'_, f32>,
         value_width: usize,
         alpha: &[f32],
@@ -620,18 +665,16 @@ pub(crate) trait Kernel: Copy + Send + Sync + 'static {
         assert!(
             value_width > 0 && value_width.is_multiple_of(Self::LANES) && v.ncols() >= value_width
         );
-        assert!(keys <= p_stride);
-        assert!(rows == 0 || p.len() >= (rows - 1) * p_stride + keys);
+        assert!(p.nrows() == rows && p.ncols() >= keys);
         assert!(o.len() == rows * value_width);
-        let v = Rows::of(&v);
-        // SAFETY: the sizes were checked above, `v`'s rows are those of a
-        // valid view; `self` proves the CPU.
+        let (p, v) = (Weights::of(&p), Rows::of(&v));
+        // SAFETY: the sizes were checked above, `p` and `v` are those of
+        // valid views; `self` proves the CPU.
         unsafe {
             self.accumulate_values_unchecked(
-                p.as_ptr(),
+                p,
                 rows,
                 keys,
-                p_stride,
                 v,
                 value_width,
                 alpha.as_ptr(),
@@ -758,16 +801,16 @@ macro_rules! impl_kernel {
             }
 
             unsafe fn accumulate_values_unchecked(
-                self, p: *const f32, rows: usize, keys: usize, p_stride: usize, v: $crate::simd::kernels::Rows, value_width: usize, alpha: *const f32, o: *mut f32,
+                self, p: $crate::simd::kernels::Weights, rows: usize, keys: usize, v: $crate::simd::kernels::Rows, value_width: usize, alpha: *const f32, o: *mut f32,
             ) {
                 $(#[$feature])*
                 #[allow(clippy::too_many_arguments)]
-                unsafe fn instance(p: *const f32, rows: usize, keys: usize, p_stride: usize, v: $crate::simd::kernels::Rows, value_width: usize, alpha: *const f32, o: *mut f32) {
+                unsafe fn instance(p: $crate::simd::kernels::Weights, rows: usize, keys: usize, v: $crate::simd::kernels::Rows, value_width: usize, alpha: *const f32, o: *mut f32) {
                     // SAFETY: forwarded contract.
-                    unsafe { $crate::simd::kernels::accumulate_values::<$vector, $rows, $value_vectors>(p, rows, keys, p_stride, v, value_width, alpha, o) }
+                    unsafe { $crate::simd::kernels::accumulate_values::<$vector, $rows, $value_vectors>(p, rows, keys, v, value_width, alpha, o) }
                 }
                 // SAFETY: as in `scores_unchecked`.
-                unsafe { instance(p, rows, keys, p_stride, v, value_width, alpha, o) }
+                unsafe { instance(p, rows, keys, v, value_width, alpha, o) }
             }
 
             unsafe fn exp_rows_shifted_unchecked(self, s: *mut f32, rows: usize, keys: usize, s_stride: usize, shift: *const f32) {

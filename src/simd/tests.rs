@@ -230,8 +230,40 @@ impl WithKernel for TileCheck {
         let v_rows = ArrayView2::from_shape((keys, width), &v).unwrap();
         for some in [1, 2, K::ROWS - 1, K::ROWS + 1, rows] {
             let mut o = o_start[..some * width].to_vec();
-            kernel.accumulate_values(&s, stride, v_rows, width, &alpha[..some], &mut o);
+            let p = ArrayView2::from_shape((rows, stride), &s).unwrap();
+            kernel.accumulate_values(
+                p.slice(ndarray::s![..some, ..]),
+                v_rows,
+                width,
+                &alpha[..some],
+                &mut o,
+            );
             check_accumulated::<K>(&o, &o_start, &s, stride, &v, width, &alpha, some, keys);
+        }
+        // The weights read transposed (the backward's Pᵀ·dO): keys × rows.
+        let p = ArrayView2::from_shape((rows, stride), &s).unwrap();
+        let p_t = p.slice(ndarray::s![.., ..keys]).reversed_axes();
+        let rows_as_values = values(rows * width, 5);
+        let mut o = vec![0.0; keys * width];
+        let ones = vec![1.0; keys];
+        kernel.accumulate_values(
+            p_t,
+            ArrayView2::from_shape((rows, width), &rows_as_values).unwrap(),
+            width,
+            &ones,
+            &mut o,
+        );
+        for j in 0..keys {
+            for c in 0..width {
+                let exact: f64 = (0..rows)
+                    .map(|r| s[r * stride + j] as f64 * rows_as_values[r * width + c] as f64)
+                    .sum();
+                assert!(
+                    (o[j * width + c] as f64 - exact).abs() < 1e-5 * rows as f64,
+                    "{}: transposed o[{j}][{c}]",
+                    K::SET
+                );
+            }
         }
     }
 }
