@@ -13,7 +13,9 @@
 //! - `fused_<set>`: `sdpa::scaled_dot_product_attention_into`, the fused
 //!   path, forced to each kernel set this CPU has (`fused_avx512`, …).
 //!
-//! Then `decode`: one query row per head against a KV cache of S keys
+//! Then `forward_backward`: the forward with its log-sum-exp and the
+//! backward pass, d = 64, counted as 3.5 times the forward's FLOPs. And
+//! `decode`: one query row per head against a KV cache of S keys
 //! (H = 32, d = 128), throughput in bytes of K and V read, so criterion
 //! prints GB/s.
 //!
@@ -230,5 +232,44 @@ fn decode(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, attention, decode);
+/// Forward (with its log-sum-exp) plus backward, `f32`, d = 64, counted as
+/// 3.5 times the forward's FLOPs (the backward's five products against the
+/// forward's two), as PyTorch's numbers in the README are.
+fn backward(c: &mut Criterion) {
+    let mut group = c.benchmark_group("forward_backward");
+    for len in [256, 1024, 2048] {
+        for causal in [false, true] {
+            let shape = Shape {
+                head_dim: 64,
+                len,
+                causal,
+            };
+            let problem = Problem::new(&shape);
+            let opts = shape.options();
+            shape.configure(&mut group);
+            group.throughput(Throughput::Elements(shape.flops() * 7 / 2));
+            group.bench_function(shape.id(), |bencher| {
+                bencher.iter(|| {
+                    let (q, k, v) = (problem.q.view(), problem.k.view(), problem.v.view());
+                    let forward = sdpa::scaled_dot_product_attention_partial(q, k, v, &opts)
+                        .expect("the benchmark's shapes are valid");
+                    let gradients = sdpa::scaled_dot_product_attention_backward(
+                        q,
+                        k,
+                        v,
+                        &opts,
+                        forward.output(),
+                        forward.log_sum_exp(),
+                        problem.out.view(),
+                    )
+                    .expect("the benchmark's shapes are valid");
+                    black_box(gradients);
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, attention, decode, backward);
 criterion_main!(benches);
