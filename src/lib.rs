@@ -18,7 +18,9 @@ pub mod simd;
 use ndarray::{Array4, ArrayView3, ArrayView4, ArrayViewMut4};
 
 pub use crate::core::AttentionGradients;
-pub use attention::{Attention, AttentionConfig, AttentionWeights, CausalAttention};
+pub use attention::{
+    Attention, AttentionConfig, AttentionWeights, CausalAttention, ForwardCache, LayerGradients,
+};
 pub use element::Element;
 pub use error::{AttentionError, ErrorKind};
 pub use kv_cache::KvCache;

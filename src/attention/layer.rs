@@ -225,7 +225,7 @@ impl<F: Element> Layer<F> {
     }
 
     /// `x_q · W^Q + b_q`, `x_kv · W^K + b_k`, `x_kv · W^V + b_v`.
-    fn project_all(
+    pub(super) fn project_all(
         &self,
         x_q: ArrayView3<'_, F>,
         x_kv: ArrayView3<'_, F>,
@@ -239,7 +239,10 @@ impl<F: Element> Layer<F> {
     }
 
     /// The projections `[batch, len, heads·d]` as `[batch, heads, len, d]` views.
-    fn split_all<'a>(&self, projected: &'a Projected<F>) -> Result<Heads<'a, F>, AttentionError> {
+    pub(super) fn split_all<'a>(
+        &self,
+        projected: &'a Projected<F>,
+    ) -> Result<Heads<'a, F>, AttentionError> {
         let c = &self.config;
         Ok(Heads {
             q: split_heads(&projected.q, c.heads)?,
@@ -289,7 +292,7 @@ impl<F: Element> Layer<F> {
         }
     }
 
-    fn check_self_attention(&self) -> Result<(), AttentionError> {
+    pub(super) fn check_self_attention(&self) -> Result<(), AttentionError> {
         if self.config.kv_input_width() != self.config.d_model {
             return Err(shape_error(format!(
                 "self-attention needs d_model_kv = d_model, but {}: this is a cross-attention \
@@ -309,7 +312,7 @@ impl<F: Element> Layer<F> {
         self.check_width(name, shape, layout, "d_model", self.config.d_model)
     }
 
-    fn check_kv_width(
+    pub(super) fn check_kv_width(
         &self,
         name: &str,
         shape: &[usize],
@@ -347,17 +350,18 @@ impl<F: Element> Layer<F> {
 }
 
 /// The projected queries, keys and values, `[batch, len, heads·d]`.
-struct Projected<F> {
-    q: Array3<F>,
-    k: Array3<F>,
-    v: Array3<F>,
+#[derive(Debug, Clone)]
+pub(super) struct Projected<F> {
+    pub(super) q: Array3<F>,
+    pub(super) k: Array3<F>,
+    pub(super) v: Array3<F>,
 }
 
 /// [`Projected`] split into heads: `[batch, heads, len, d]` views.
-struct Heads<'a, F> {
-    q: ArrayView4<'a, F>,
-    k: ArrayView4<'a, F>,
-    v: ArrayView4<'a, F>,
+pub(super) struct Heads<'a, F> {
+    pub(super) q: ArrayView4<'a, F>,
+    pub(super) k: ArrayView4<'a, F>,
+    pub(super) v: ArrayView4<'a, F>,
 }
 
 /// Up to this many rows, [`project`] sums scaled rows of the weights
@@ -367,7 +371,7 @@ const FEW_ROWS: usize = 4;
 /// `x` `[batch, len, width]` `· w` `[width, cols]` `+ b`, as one matrix
 /// product over all positions of all batch items; `to_shape` is a view
 /// when the layout allows it.
-fn project<F: Element>(
+pub(super) fn project<F: Element>(
     x: ArrayView3<'_, F>,
     w: &Array2<F>,
     b: Option<&Array1<F>>,
@@ -397,7 +401,10 @@ fn project<F: Element>(
 }
 
 /// `[batch, len, heads·d]` as `[batch, heads, len, d]`, a view of the same data.
-fn split_heads<F>(x: &Array3<F>, heads: usize) -> Result<ArrayView4<'_, F>, AttentionError> {
+pub(super) fn split_heads<F>(
+    x: &Array3<F>,
+    heads: usize,
+) -> Result<ArrayView4<'_, F>, AttentionError> {
     let (batch, len, width) = x.dim();
     let split = x
         .view()
@@ -408,6 +415,6 @@ fn split_heads<F>(x: &Array3<F>, heads: usize) -> Result<ArrayView4<'_, F>, Atte
 
 /// The element counts always agree, so a reshape cannot fail; report it as
 /// an error rather than panic should that ever change.
-fn reshape_error(err: ShapeError) -> AttentionError {
+pub(super) fn reshape_error(err: ShapeError) -> AttentionError {
     shape_error(format!("internal reshape of x failed: {err}"))
 }

@@ -13,15 +13,19 @@
 //! - `config`: [`AttentionConfig`] (the shape of a layer) and
 //!   [`AttentionWeights`] (its parameters), and the check that they agree;
 //! - `init`: the seeded Xavier initialisation;
-//! - `layer`: the implementation.
+//! - `layer`: the implementation;
+//! - `gradients`: training — the forward that keeps what the backward
+//!   needs, the backward, and the parameter access an optimiser needs.
 
 mod config;
+mod gradients;
 mod init;
 mod layer;
 
 use ndarray::{Array2, Array3, Array4, ArrayView1, ArrayView2, ArrayView3, Axis};
 
 pub use config::{AttentionConfig, AttentionWeights};
+pub use gradients::{ForwardCache, LayerGradients};
 
 use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
@@ -57,6 +61,13 @@ use layer::Layer;
 /// always causal, and for incremental decoding with a [`KvCache`], use
 /// [`CausalAttention`].
 ///
+/// To train the layer, [`forward_train`](Self::forward_train) (or
+/// [`forward_cross_train`](Self::forward_cross_train)) keeps what
+/// [`backward`](Self::backward) needs to return the gradients with respect
+/// to the input(s) and every parameter ([`LayerGradients`]), and
+/// [`apply_gradients`](Self::apply_gradients) or
+/// [`sgd_step`](Self::sgd_step) updates the parameters.
+///
 /// ```
 /// use ndarray::Array2;
 /// use sdpa::{Attention, AttentionConfig};
@@ -90,6 +101,10 @@ pub struct Attention<F> {
 ///
 /// A causal layer is self-attention: its config may not give the
 /// key/value side its own width (`d_model_kv`).
+///
+/// It trains as [`Attention`] does: [`forward_train`](Self::forward_train),
+/// [`backward`](Self::backward), then [`apply_gradients`](Self::apply_gradients)
+/// or [`sgd_step`](Self::sgd_step); see [`LayerGradients`].
 ///
 /// ```
 /// use ndarray::Array2;
