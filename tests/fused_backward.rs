@@ -3,52 +3,11 @@
 
 use ndarray::{Array4, s};
 use proptest::prelude::*;
+
+mod common;
+use common::{option_case, seeded};
 use sdpa::simd::available_kernel_sets;
-use sdpa::{
-    AttentionOptions, CausalAlignment, scaled_dot_product_attention_backward,
-    scaled_dot_product_attention_partial,
-};
-
-fn data(dim: (usize, usize, usize, usize), seed: u64) -> Array4<f64> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    Array4::from_shape_simple_fn(dim, || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    })
-}
-
-/// The options of case `case` (0..8).
-fn options<'a, F: Copy + From<f32>>(
-    case: usize,
-    keep: &'a Array4<bool>,
-    bias: &'a Array4<F>,
-    lengths: &'a [usize],
-) -> AttentionOptions<'a, F> {
-    match case {
-        0 => AttentionOptions::new(),
-        1 => AttentionOptions::new().causal(),
-        2 => AttentionOptions::new()
-            .causal_aligned(CausalAlignment::TopLeft)
-            .keep_mask(keep.view()),
-        3 => AttentionOptions::new()
-            .bias(bias.view())
-            .key_lengths(lengths),
-        4 => AttentionOptions::new().window(5).bias(bias.view()),
-        5 => AttentionOptions::new()
-            .causal()
-            .keep_mask(keep.view())
-            .key_lengths(lengths),
-        6 => AttentionOptions::new()
-            .scale(F::from(0.3))
-            .bias(bias.view())
-            .causal(),
-        _ => AttentionOptions::new()
-            .keep_mask(keep.view())
-            .bias(bias.view()),
-    }
-}
+use sdpa::{scaled_dot_product_attention_backward, scaled_dot_product_attention_partial};
 
 #[allow(clippy::too_many_arguments)]
 fn check(
@@ -63,20 +22,20 @@ fn check(
     seed: u64,
     poison_masked: bool,
 ) {
-    let q = data((batch, heads, len_q, d_k), seed);
-    let mut k = data((batch, kv_heads, len_kv, d_k), seed ^ 1);
-    let mut v = data((batch, kv_heads, len_kv, d_v), seed ^ 2);
-    let keep = data((batch, 1, len_q, len_kv), seed ^ 3).mapv(|x| x > -0.6);
+    let q = seeded((batch, heads, len_q, d_k), seed, 1.0);
+    let mut k = seeded((batch, kv_heads, len_kv, d_k), seed ^ 1, 1.0);
+    let mut v = seeded((batch, kv_heads, len_kv, d_v), seed ^ 2, 1.0);
+    let keep = seeded((batch, 1, len_q, len_kv), seed ^ 3, 1.0).mapv(|x| x > -0.6);
     // Bias broadcast over the batch: its gradient sums over it.
-    let bias = data((1, heads, len_q, len_kv), seed ^ 4);
-    let d_out = data((batch, heads, len_q, d_v), seed ^ 5);
+    let bias = seeded((1, heads, len_q, len_kv), seed ^ 4, 1.0);
+    let d_out = seeded((batch, heads, len_q, d_v), seed ^ 5, 1.0);
     let lengths: Vec<usize> = (0..batch).map(|b| len_kv * (b + 1) / (batch + 1)).collect();
     if poison_masked && case == 3 && batch > 0 {
         // Keys past item 0's length are padding: fill them with garbage.
         k.slice_mut(s![0, .., lengths[0].., ..]).fill(f64::NAN);
         v.slice_mut(s![0, .., lengths[0].., ..]).fill(f64::INFINITY);
     }
-    let opts = options(case, &keep, &bias, &lengths);
+    let opts = option_case(case, &keep, &bias, &lengths);
     let forward =
         scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), &opts).unwrap();
     let expected = sdpa::core::scaled_dot_product_attention_backward(
@@ -93,7 +52,7 @@ fn check(
     let (q32, k32, v32, bias32, d_out32) =
         (f32s(&q), f32s(&k), f32s(&v), f32s(&bias), f32s(&d_out));
     for set in available_kernel_sets() {
-        let opts = options(case, &keep, &bias32, &lengths).kernel_set(set);
+        let opts = option_case(case, &keep, &bias32, &lengths).kernel_set(set);
         let forward =
             scaled_dot_product_attention_partial(q32.view(), k32.view(), v32.view(), &opts)
                 .unwrap();

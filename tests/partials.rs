@@ -3,44 +3,11 @@
 
 use ndarray::{Array4, ArrayView4, Axis, s};
 use proptest::prelude::*;
+
+mod common;
+use common::{option_case, seeded};
 use sdpa::simd::available_kernel_sets;
-use sdpa::{
-    AttentionOptions, AttentionPartial, CausalAlignment, scaled_dot_product_attention_partial,
-};
-
-fn data(dim: (usize, usize, usize, usize), seed: u64) -> Array4<f64> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    Array4::from_shape_simple_fn(dim, || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
-    })
-}
-
-/// The options of case `case` (0..6), for a key sequence of `len_kv`.
-fn options<'a, F: Copy>(
-    case: usize,
-    keep: &'a Array4<bool>,
-    bias: &'a Array4<F>,
-    lengths: &'a [usize],
-) -> AttentionOptions<'a, F> {
-    match case {
-        0 => AttentionOptions::new(),
-        1 => AttentionOptions::new().causal(),
-        2 => AttentionOptions::new()
-            .causal_aligned(CausalAlignment::TopLeft)
-            .keep_mask(keep.view()),
-        3 => AttentionOptions::new()
-            .bias(bias.view())
-            .key_lengths(lengths),
-        4 => AttentionOptions::new().window(3).bias(bias.view()),
-        _ => AttentionOptions::new()
-            .causal()
-            .keep_mask(keep.view())
-            .key_lengths(lengths),
-    }
-}
+use sdpa::{AttentionOptions, AttentionPartial, scaled_dot_product_attention_partial};
 
 /// Splits the keys at `cuts` and merges the partials, left to right or
 /// right to left.
@@ -84,17 +51,17 @@ proptest! {
         len_q in 0usize..12,
         len_kv in 0usize..40,
         cuts in proptest::collection::vec(0usize..40, 0..4),
-        case in 0usize..6,
+        case in 0usize..8,
         right_to_left in any::<bool>(),
         seed in any::<u64>(),
     ) {
-        let q = data((2, 2, len_q, 5), seed);
-        let k = data((2, 1, len_kv, 5), seed ^ 1);
-        let v = data((2, 1, len_kv, 3), seed ^ 2);
-        let keep = data((2, 1, len_q, len_kv), seed ^ 3).mapv(|x| x > -1.2);
-        let bias = data((1, 2, len_q, len_kv), seed ^ 4);
+        let q = seeded((2, 2, len_q, 5), seed, 2.0);
+        let k = seeded((2, 1, len_kv, 5), seed ^ 1, 2.0);
+        let v = seeded((2, 1, len_kv, 3), seed ^ 2, 2.0);
+        let keep = seeded((2, 1, len_q, len_kv), seed ^ 3, 2.0).mapv(|x| x > -1.2);
+        let bias = seeded((1, 2, len_q, len_kv), seed ^ 4, 2.0);
         let lengths = [len_kv, len_kv * 2 / 3];
-        let opts = options(case, &keep, &bias, &lengths);
+        let opts = option_case(case, &keep, &bias, &lengths);
         let whole = sdpa::core::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts).unwrap();
         let merged = split_and_merge(q.view(), k.view(), v.view(), &cuts, &opts, right_to_left);
         for (a, b) in merged.iter().zip(&whole) {
@@ -105,7 +72,7 @@ proptest! {
         let (q32, k32, v32) = (q.mapv(|x| x as f32), k.mapv(|x| x as f32), v.mapv(|x| x as f32));
         let bias32 = bias.mapv(|x| x as f32);
         for set in available_kernel_sets() {
-            let opts = options(case, &keep, &bias32, &lengths).kernel_set(set);
+            let opts = option_case(case, &keep, &bias32, &lengths).kernel_set(set);
             let merged = split_and_merge(q32.view(), k32.view(), v32.view(), &cuts, &opts, right_to_left);
             for (a, b) in merged.iter().zip(&whole) {
                 prop_assert!((*a as f64 - b).abs() < 1e-5, "{set}: {a} vs {b}");
@@ -117,9 +84,9 @@ proptest! {
 #[test]
 fn log_sum_exp_is_that_of_the_visible_scaled_scores() {
     let (q, k, v) = (
-        data((1, 1, 6, 4), 1),
-        data((1, 1, 6, 4), 2),
-        data((1, 1, 6, 2), 3),
+        seeded((1, 1, 6, 4), 1, 2.0),
+        seeded((1, 1, 6, 4), 2, 2.0),
+        seeded((1, 1, 6, 2), 3, 2.0),
     );
     let opts = AttentionOptions::new().causal();
     let partial =
@@ -158,7 +125,7 @@ fn log_sum_exp_is_that_of_the_visible_scaled_scores() {
 
 #[test]
 fn a_shard_a_row_cannot_see_has_minus_infinity_and_merges_as_nothing() {
-    let (q, k) = (data((1, 1, 3, 2), 5), data((1, 1, 6, 2), 6));
+    let (q, k) = (seeded((1, 1, 3, 2), 5, 2.0), seeded((1, 1, 6, 2), 6, 2.0));
     // Causal, bottom-right over 6 keys with 3 queries: query 0 sees keys 0..=3.
     let late = scaled_dot_product_attention_partial(
         q.view(),

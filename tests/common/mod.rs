@@ -600,3 +600,44 @@ pub fn both_paths<F: Element>(
         ),
     ]
 }
+
+/// An `f64` array of the given shape, uniform in `[-scale, scale)`, from its
+/// own seed: for tests that build several arrays from one case seed.
+pub fn seeded(dim: (usize, usize, usize, usize), seed: u64, scale: f64) -> Array4<f64> {
+    let mut rng = Rng::new(seed);
+    Array4::from_shape_simple_fn(dim, || rng.uniform(-scale, scale))
+}
+
+/// Eight fixed option combinations, `case` 0..8, over the given keep mask,
+/// bias and key lengths: none; causal; top-left causal with a keep mask;
+/// bias with key lengths; a window of 3 with bias; causal with keep mask and
+/// key lengths; scale 0.3 with bias, causal; keep mask with bias.
+pub fn option_case<'a, F: Copy + From<f32>>(
+    case: usize,
+    keep: &'a Array4<bool>,
+    bias: &'a Array4<F>,
+    lengths: &'a [usize],
+) -> AttentionOptions<'a, F> {
+    match case % 8 {
+        0 => AttentionOptions::new(),
+        1 => AttentionOptions::new().causal(),
+        2 => AttentionOptions::new()
+            .causal_aligned(CausalAlignment::TopLeft)
+            .keep_mask(keep.view()),
+        3 => AttentionOptions::new()
+            .bias(bias.view())
+            .key_lengths(lengths),
+        4 => AttentionOptions::new().window(3).bias(bias.view()),
+        5 => AttentionOptions::new()
+            .causal()
+            .keep_mask(keep.view())
+            .key_lengths(lengths),
+        6 => AttentionOptions::new()
+            .scale(F::from(0.3))
+            .bias(bias.view())
+            .causal(),
+        _ => AttentionOptions::new()
+            .keep_mask(keep.view())
+            .bias(bias.view()),
+    }
+}
