@@ -114,15 +114,17 @@ impl WithKernel for FusedBackward<'_, '_, '_, '_> {
             mut d_v,
             mut d_bias,
         } = gradients;
-        d_q.fill(0.0);
-        d_k.fill(0.0);
-        d_v.fill(0.0);
+        // The bias gradient is a sum over work items; every other gradient
+        // is written whole by the item that owns it.
         if let Some(d_bias) = d_bias.as_mut() {
             d_bias.fill(0.0);
         }
         let shape = *inputs.shape;
         // With no value columns the output is empty and every gradient 0.
         if shape.d_v == 0 || shape.len_q == 0 || shape.len_kv == 0 {
+            d_q.fill(0.0);
+            d_k.fill(0.0);
+            d_v.fill(0.0);
             return;
         }
         let jobs: Vec<_> = (0..shape.batch)
