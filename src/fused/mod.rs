@@ -144,6 +144,8 @@ impl WithKernel for FusedAttention<'_, '_, '_, '_, '_> {
             jobs,
             || (),
             |_, (b, kv_h, job_heads)| {
+                // Fresh per job: reusing one per rayon piece (as the backward
+                // does) measured 3–4% slower at N = 256, one thread.
                 let mut packed = PackedKeysValues::new::<K>(shape.len_kv, shape.d_k, shape.d_v);
                 packed.pack::<K>(head(k, b, kv_h), head(v, b, kv_h));
                 let mut tiles = Vec::new();
@@ -278,7 +280,6 @@ fn reads_keys_in_place<K: Kernel>(
     shape.len_q <= DECODE_MAX_QUERIES
         && shape.d_k.is_multiple_of(K::LANES)
         && shape.d_v.is_multiple_of(K::LANES)
-        && shape.d_v > 0
         && contiguous_rows(k)
         && contiguous_rows(v)
 }
