@@ -69,7 +69,9 @@ fn paths() -> Vec<Path> {
         paths.push(Path {
             group: format!("fused_{set}"),
             run: Box::new(move |q, k, v, opts, out| {
-                sdpa::scaled_dot_product_attention_into(q, k, v, &opts.clone().kernel_set(set), out)
+                sdpa::simd::with_kernel_set(set, || {
+                    sdpa::scaled_dot_product_attention_into(q, k, v, opts, out)
+                })?
             }),
             max_len: if set == KernelSet::Scalar {
                 1024
@@ -258,8 +260,7 @@ fn backward(c: &mut Criterion) {
                         k,
                         v,
                         &opts,
-                        forward.output(),
-                        forward.log_sum_exp(),
+                        &forward,
                         problem.out.view(),
                     )
                     .expect("the benchmark's shapes are valid");

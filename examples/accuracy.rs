@@ -67,12 +67,14 @@ fn main() -> Result<(), sdpa::AttentionError> {
                     } else {
                         AttentionOptions::new()
                     };
-                    let fast = sdpa::scaled_dot_product_attention(
-                        to_f32(&q).view(),
-                        to_f32(&k).view(),
-                        to_f32(&v).view(),
-                        &fast_opts.kernel_set(set),
-                    )?;
+                    let fast = sdpa::simd::with_kernel_set(set, || {
+                        sdpa::scaled_dot_product_attention(
+                            to_f32(&q).view(),
+                            to_f32(&k).view(),
+                            to_f32(&v).view(),
+                            &fast_opts,
+                        )
+                    })??;
                     let (mut max_err, mut max_ref, mut err2, mut ref2) = (0f64, 0f64, 0f64, 0f64);
                     Zip::from(&fast).and(&reference).for_each(|&f, &r| {
                         let e = f as f64 - r;

@@ -21,6 +21,11 @@ fn env_or(name: &str, default: usize) -> usize {
 }
 
 /// Median seconds of 7 runs after one warm-up.
+/// [`median_seconds`] with every call of `f` on kernel set `set`.
+fn median_seconds_on(set: KernelSet, f: impl FnMut()) -> f64 {
+    sdpa::simd::with_kernel_set(set, || median_seconds(f)).expect("an available kernel set")
+}
+
 fn median_seconds(mut f: impl FnMut()) -> f64 {
     f();
     let mut times: Vec<f64> = (0..7)
@@ -61,8 +66,8 @@ fn main() {
         let bytes = (k.len() + v.len()) as f64 * 4.0;
         print!("decode H={heads} d={d} S={len_kv}:");
         for &set in &sets {
-            let opts = AttentionOptions::new().causal().kernel_set(set);
-            let seconds = median_seconds(|| {
+            let opts = AttentionOptions::new().causal();
+            let seconds = median_seconds_on(set, || {
                 sdpa::scaled_dot_product_attention_into(
                     q.view(),
                     k.view(),

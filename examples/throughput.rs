@@ -26,6 +26,11 @@ fn env_or(name: &str, default: usize) -> usize {
 }
 
 /// Median seconds of `f` over at least 5 runs and at least 0.3 s.
+/// [`median_seconds`] with every call of `f` on kernel set `set`.
+fn median_seconds_on(set: KernelSet, f: impl FnMut()) -> f64 {
+    sdpa::simd::with_kernel_set(set, || median_seconds(f)).expect("an available kernel set")
+}
+
 fn median_seconds(mut f: impl FnMut()) -> f64 {
     f();
     let mut times = Vec::new();
@@ -77,10 +82,10 @@ fn main() {
             let flops = if backward { 3.5 * flops } else { flops };
             print!("{n:>6} {:>6}", if causal { "yes" } else { "no" });
             for &set in &sets {
-                let opts = AttentionOptions::new().kernel_set(set);
+                let opts = AttentionOptions::new();
                 let opts = if causal { opts.causal() } else { opts };
                 let seconds = if backward {
-                    median_seconds(|| {
+                    median_seconds_on(set, || {
                         let forward = sdpa::scaled_dot_product_attention_partial(
                             q.view(),
                             k.view(),
@@ -94,14 +99,13 @@ fn main() {
                             k.view(),
                             v.view(),
                             &opts,
-                            forward.output(),
-                            forward.log_sum_exp(),
+                            &forward,
                             forward.output(),
                         )
                         .expect("valid shapes");
                     })
                 } else {
-                    median_seconds(|| {
+                    median_seconds_on(set, || {
                         sdpa::scaled_dot_product_attention_into(
                             q.view(),
                             k.view(),

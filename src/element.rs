@@ -1,4 +1,5 @@
-//! [`Element`]: the float types attention is computed in.
+//! [`Element`]: the float types attention is computed in, and which path
+//! each one runs.
 
 use std::fmt::{Debug, Display};
 
@@ -9,132 +10,65 @@ use num_traits::Float;
 // types in its signature are never visible to users.
 #[allow(private_interfaces)]
 pub(crate) mod sealed {
-    use ndarray::{ArrayView3, ArrayView4, ArrayViewMut3, ArrayViewMut4};
+    use ndarray::{ArrayViewMut3, ArrayViewMut4};
 
-    use crate::core::backward::GradientsViewMut;
-
+    use crate::call::{BackwardCall, Call};
     use crate::error::AttentionError;
-    use crate::options::AttentionOptions;
-    use crate::shape::AttentionShape;
+    use crate::gradients::GradientsViewMut;
 
     /// Keeps [`Element`](super::Element) to the types the crate has paths for,
     /// and routes each to its fastest path.
     /// The `Err` is for a kernel set this CPU cannot run.
     pub trait Sealed: Sized {
-        /// Computes attention into `out`, and each row's log-sum-exp into
-        /// `log_sum_exp` when given. The arguments were checked by
-        /// `shape::check` and `out` has the output's shape.
-        #[allow(clippy::too_many_arguments)]
-        fn attention_into_checked(
-            q: &ArrayView4<'_, Self>,
-            k: &ArrayView4<'_, Self>,
-            v: &ArrayView4<'_, Self>,
-            opts: &AttentionOptions<'_, Self>,
-            shape: &AttentionShape,
-            scale: Self,
+        /// Computes attention into `out` (of the output's shape), and each
+        /// row's log-sum-exp into `log_sum_exp` when given.
+        fn forward(
+            call: &Call<'_, Self>,
             out: ArrayViewMut4<'_, Self>,
             log_sum_exp: Option<ArrayViewMut3<'_, Self>>,
         ) -> Result<(), AttentionError>;
 
-        /// Computes the gradients of attention into `gradients`. The
-        /// arguments were checked by `core::backward::check_backward`.
-        #[allow(clippy::too_many_arguments)]
-        fn backward_into_checked(
-            q: &ArrayView4<'_, Self>,
-            k: &ArrayView4<'_, Self>,
-            v: &ArrayView4<'_, Self>,
-            opts: &AttentionOptions<'_, Self>,
-            shape: &AttentionShape,
-            scale: Self,
-            out: &ArrayView4<'_, Self>,
-            log_sum_exp: &ArrayView3<'_, Self>,
-            d_out: &ArrayView4<'_, Self>,
+        /// Computes the gradients of attention into `gradients`.
+        fn backward(
+            call: &BackwardCall<'_, Self>,
             gradients: GradientsViewMut<'_, Self>,
         ) -> Result<(), AttentionError>;
     }
 
+    /// `f32` runs the fused, hand-vectorized path.
     impl Sealed for f32 {
-        fn backward_into_checked(
-            q: &ArrayView4<'_, f32>,
-            k: &ArrayView4<'_, f32>,
-            v: &ArrayView4<'_, f32>,
-            opts: &AttentionOptions<'_, f32>,
-            shape: &AttentionShape,
-            scale: f32,
-            out: &ArrayView4<'_, f32>,
-            log_sum_exp: &ArrayView3<'_, f32>,
-            d_out: &ArrayView4<'_, f32>,
-            gradients: GradientsViewMut<'_, f32>,
-        ) -> Result<(), AttentionError> {
-            crate::fused::backward::backward_into(
-                q,
-                k,
-                v,
-                opts,
-                shape,
-                scale,
-                out,
-                log_sum_exp,
-                d_out,
-                gradients,
-            )
-        }
-
-        #[allow(clippy::too_many_arguments)]
-        fn attention_into_checked(
-            q: &ArrayView4<'_, f32>,
-            k: &ArrayView4<'_, f32>,
-            v: &ArrayView4<'_, f32>,
-            opts: &AttentionOptions<'_, f32>,
-            shape: &AttentionShape,
-            scale: f32,
+        fn forward(
+            call: &Call<'_, f32>,
             out: ArrayViewMut4<'_, f32>,
             log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
         ) -> Result<(), AttentionError> {
-            crate::fused::attention_into(q, k, v, opts, shape, scale, out, log_sum_exp)
+            crate::fused::forward(call, out, log_sum_exp)
+        }
+
+        fn backward(
+            call: &BackwardCall<'_, f32>,
+            gradients: GradientsViewMut<'_, f32>,
+        ) -> Result<(), AttentionError> {
+            crate::fused::backward(call, gradients)
         }
     }
 
+    /// `f64` runs the reference.
     impl Sealed for f64 {
-        fn backward_into_checked(
-            q: &ArrayView4<'_, f64>,
-            k: &ArrayView4<'_, f64>,
-            v: &ArrayView4<'_, f64>,
-            opts: &AttentionOptions<'_, f64>,
-            shape: &AttentionShape,
-            scale: f64,
-            out: &ArrayView4<'_, f64>,
-            log_sum_exp: &ArrayView3<'_, f64>,
-            d_out: &ArrayView4<'_, f64>,
-            gradients: GradientsViewMut<'_, f64>,
-        ) -> Result<(), AttentionError> {
-            crate::core::backward::backward_into_checked(
-                q,
-                k,
-                v,
-                opts,
-                shape,
-                scale,
-                out,
-                log_sum_exp,
-                d_out,
-                gradients,
-            );
-            Ok(())
-        }
-
-        #[allow(clippy::too_many_arguments)]
-        fn attention_into_checked(
-            q: &ArrayView4<'_, f64>,
-            k: &ArrayView4<'_, f64>,
-            v: &ArrayView4<'_, f64>,
-            opts: &AttentionOptions<'_, f64>,
-            shape: &AttentionShape,
-            scale: f64,
+        fn forward(
+            call: &Call<'_, f64>,
             out: ArrayViewMut4<'_, f64>,
             log_sum_exp: Option<ArrayViewMut3<'_, f64>>,
         ) -> Result<(), AttentionError> {
-            crate::core::attention_into_checked(q, k, v, opts, shape, scale, out, log_sum_exp);
+            crate::core::forward::forward(call, out, log_sum_exp);
+            Ok(())
+        }
+
+        fn backward(
+            call: &BackwardCall<'_, f64>,
+            gradients: GradientsViewMut<'_, f64>,
+        ) -> Result<(), AttentionError> {
+            crate::core::backward::backward(call, gradients);
             Ok(())
         }
     }

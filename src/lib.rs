@@ -1,31 +1,40 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
+#![deny(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+// The data path, top to bottom: layers (`attention`, `kv_cache`,
+// `sequence`) → the functional entry points below → `call` (one check) →
+// `element` (which path a type runs) → `fused` over `simd`, or `core`.
+// `options`, `mask`, `gradients`, `partial`, `parallel` and `error` sit
+// below both paths.
 mod attention;
+mod call;
 pub mod core;
 mod element;
 mod error;
 mod fused;
+mod gradients;
 mod kv_cache;
+mod mask;
 mod options;
 mod parallel;
 mod partial;
 mod sequence;
-mod shape;
+#[allow(unsafe_code)]
 pub mod simd;
 
-use ndarray::{Array4, ArrayView3, ArrayView4, ArrayViewMut4};
+use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
-pub use crate::core::AttentionGradients;
 pub use attention::{
     Attention, AttentionConfig, AttentionWeights, CausalAttention, ForwardCache, LayerGradients,
 };
 pub use element::Element;
 pub use error::{AttentionError, ErrorKind};
+pub use gradients::AttentionGradients;
 pub use kv_cache::KvCache;
 pub use options::{AttentionOptions, CausalAlignment};
-pub use partial::{AttentionPartial, scaled_dot_product_attention_partial};
+pub use partial::AttentionPartial;
 pub use sequence::{Masking, simple_self_attention, single_sequence_attention};
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + bias, masked)·V`.
@@ -64,9 +73,9 @@ pub fn scaled_dot_product_attention<F: Element>(
     v: ArrayView4<'_, F>,
     opts: &AttentionOptions<'_, F>,
 ) -> Result<Array4<F>, AttentionError> {
-    let (shape, scale) = shape::check(&q, &k, &v, opts)?;
-    let mut out = Array4::zeros(shape.output_dim());
-    F::attention_into_checked(&q, &k, &v, opts, &shape, scale, out.view_mut(), None)?;
+    let call = call::check(&q, &k, &v, opts)?;
+    let mut out = Array4::zeros(call.shape.output_dim());
+    F::forward(&call, out.view_mut(), None)?;
     Ok(out)
 }
 
@@ -94,15 +103,58 @@ pub fn scaled_dot_product_attention_into<F: Element>(
     opts: &AttentionOptions<'_, F>,
     out: ArrayViewMut4<'_, F>,
 ) -> Result<(), AttentionError> {
-    let (shape, scale) = shape::check(&q, &k, &v, opts)?;
-    shape::check_output(&shape, out.shape())?;
-    F::attention_into_checked(&q, &k, &v, opts, &shape, scale, out, None)
+    let call = call::check(&q, &k, &v, opts)?;
+    call::check_output(&call.shape, out.shape())?;
+    F::forward(&call, out, None)
+}
+
+/// Attention over the keys and values given, as a mergeable
+/// [`AttentionPartial`]. With all the keys, its output is the attention
+/// output and its log-sum-exp the normaliser the backward pass needs.
+///
+/// Use [`AttentionOptions::key_shard`] when `k` and `v` are a shard of a
+/// longer key sequence.
+///
+/// # Errors
+/// As [`scaled_dot_product_attention`].
+///
+/// ```
+/// use ndarray::{Array4, s};
+/// use sdpa::{scaled_dot_product_attention_partial, AttentionOptions, AttentionPartial};
+///
+/// let q = Array4::<f64>::from_shape_fn((1, 2, 5, 4), |(_, h, i, d)| (h + i * d) as f64 * 0.1);
+/// let kv = Array4::<f64>::from_shape_fn((1, 2, 9, 4), |(_, h, j, d)| ((h * j + d) % 5) as f64 * 0.2);
+/// // The whole call, and the same keys in two shards of 4 and 5.
+/// let whole = sdpa::core::scaled_dot_product_attention(q.view(), kv.view(), kv.view(), &AttentionOptions::new().causal())?;
+/// let first = scaled_dot_product_attention_partial(
+///     q.view(), kv.slice(s![.., .., ..4, ..]), kv.slice(s![.., .., ..4, ..]),
+///     &AttentionOptions::new().causal().key_shard(0, 9))?;
+/// let second = scaled_dot_product_attention_partial(
+///     q.view(), kv.slice(s![.., .., 4.., ..]), kv.slice(s![.., .., 4.., ..]),
+///     &AttentionOptions::new().causal().key_shard(4, 9))?;
+/// let merged = AttentionPartial::merge_all([first, second])?.into_output();
+/// assert!(merged.iter().zip(&whole).all(|(a, b)| (a - b).abs() < 1e-12));
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+pub fn scaled_dot_product_attention_partial<F: Element>(
+    q: ArrayView4<'_, F>,
+    k: ArrayView4<'_, F>,
+    v: ArrayView4<'_, F>,
+    opts: &AttentionOptions<'_, F>,
+) -> Result<AttentionPartial<F>, AttentionError> {
+    let call = call::check(&q, &k, &v, opts)?;
+    let mut partial = AttentionPartial::zeros(call.shape.output_dim());
+    let (output, log_sum_exp) = partial.parts_mut();
+    F::forward(&call, output, Some(log_sum_exp))?;
+    Ok(partial)
 }
 
 /// The gradients of a scalar loss with respect to `q`, `k`, `v` and the
-/// bias of an attention call, given the call's output `out`, its per-row
-/// log-sum-exp (both from [`scaled_dot_product_attention_partial`]) and
-/// `d_out`, the gradient of the loss with respect to the output.
+/// bias of an attention call, given the call's result `forward` (from
+/// [`scaled_dot_product_attention_partial`]: the output and each row's
+/// log-sum-exp) and `d_out`, the gradient of the loss with respect to the
+/// output. `forward` has a type of its own, so it cannot be passed where
+/// `d_out` goes.
 ///
 /// `f32` runs the fused backward pass (FlashAttention-2 order, the `P` tiles
 /// recomputed from the log-sum-exp, no `len_q × len_kv` buffer unless a bias
@@ -113,8 +165,8 @@ pub fn scaled_dot_product_attention_into<F: Element>(
 /// reaches a gradient.
 ///
 /// # Errors
-/// As the forward, and when `out`, `log_sum_exp` or `d_out` do not have the
-/// forward's shapes.
+/// As the forward, and when the forward's output or `d_out` does not have
+/// the call's output shape.
 ///
 /// ```
 /// use ndarray::Array4;
@@ -127,37 +179,23 @@ pub fn scaled_dot_product_attention_into<F: Element>(
 /// // The loss is the sum of the outputs, so its gradient is all ones.
 /// let d_out = Array4::<f32>::ones(forward.output().raw_dim());
 /// let grads = scaled_dot_product_attention_backward(
-///     q.view(), k.view(), v.view(), &opts, forward.output(), forward.log_sum_exp(), d_out.view())?;
+///     q.view(), k.view(), v.view(), &opts, &forward, d_out.view())?;
 /// assert_eq!(grads.d_k.shape(), k.shape());
 /// // Each output row is a weighted mean of values: the weights of a row sum
 /// // to 1, so the gradients with respect to v sum to the number of rows.
 /// assert!((grads.d_v.sum() - 2.0 * 5.0 * 8.0).abs() < 1e-3);
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
-#[allow(clippy::too_many_arguments)]
 pub fn scaled_dot_product_attention_backward<F: Element>(
     q: ArrayView4<'_, F>,
     k: ArrayView4<'_, F>,
     v: ArrayView4<'_, F>,
     opts: &AttentionOptions<'_, F>,
-    out: ArrayView4<'_, F>,
-    log_sum_exp: ArrayView3<'_, F>,
+    forward: &AttentionPartial<F>,
     d_out: ArrayView4<'_, F>,
 ) -> Result<AttentionGradients<F>, AttentionError> {
-    let (shape, scale) =
-        core::backward::check_backward(&q, &k, &v, opts, &out, &log_sum_exp, &d_out)?;
-    let mut gradients = AttentionGradients::zeros(&q, &k, &v, opts);
-    F::backward_into_checked(
-        &q,
-        &k,
-        &v,
-        opts,
-        &shape,
-        scale,
-        &out,
-        &log_sum_exp,
-        &d_out,
-        gradients.view_mut(),
-    )?;
+    let call = call::check_backward(call::check(&q, &k, &v, opts)?, forward, &d_out)?;
+    let mut gradients = AttentionGradients::zeros(&call.forward);
+    F::backward(&call, gradients.view_mut())?;
     Ok(gradients)
 }

@@ -1,13 +1,9 @@
 //! [`AttentionOptions`]: which keys each query may see (causal alignment,
-//! keep mask, key lengths), the scale, and an additive bias.
-//!
-//! This module also holds the one definition of the masking semantics that
-//! every path (`core`, the fused driver, the layers) shares: see
-//! [`VisibleKeys`].
+//! keep mask, key lengths, window, key shard), the scale, and an additive
+//! bias. A builder only: what the options mean for each query row is
+//! `mask.rs`'s business.
 
-use ndarray::{ArrayView1, ArrayView4, Axis};
-
-use crate::simd::KernelSet;
+use ndarray::ArrayView4;
 
 /// How a causal mask lines the queries up against the keys when
 /// `len_q != len_kv`.
@@ -72,7 +68,6 @@ pub struct AttentionOptions<'a, F> {
     pub(crate) key_lengths: Option<&'a [usize]>,
     pub(crate) window: Option<usize>,
     pub(crate) key_shard: Option<KeyShard>,
-    pub(crate) kernel_set: Option<KernelSet>,
 }
 
 impl<F> Default for AttentionOptions<'_, F> {
@@ -85,7 +80,6 @@ impl<F> Default for AttentionOptions<'_, F> {
             key_lengths: None,
             window: None,
             key_shard: None,
-            kernel_set: None,
         }
     }
 }
@@ -180,14 +174,21 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
         });
         self
     }
+}
 
-    /// Runs `f32` calls on this kernel set instead of the one chosen at run
-    /// time (see [`crate::simd`]); for tests and benchmarks. The call
-    /// returns an error if this CPU cannot run it. `f64` calls always run
-    /// [`crate::core`] and ignore it.
-    pub fn kernel_set(mut self, set: KernelSet) -> Self {
-        self.kernel_set = Some(set);
-        self
+impl<F: Copy> AttentionOptions<'_, F> {
+    /// The same options, borrowing the mask, bias and key lengths for a
+    /// shorter lifetime.
+    pub(crate) fn reborrow(&self) -> AttentionOptions<'_, F> {
+        AttentionOptions {
+            causal: self.causal,
+            scale: self.scale,
+            keep_mask: self.keep_mask.as_ref().map(|mask| mask.view()),
+            bias: self.bias.as_ref().map(|bias| bias.view()),
+            key_lengths: self.key_lengths,
+            window: self.window,
+            key_shard: self.key_shard,
+        }
     }
 }
 
@@ -198,115 +199,4 @@ pub(crate) struct KeyShard {
     pub offset: usize,
     /// Keys in the whole sequence.
     pub total_len_kv: usize,
-}
-
-/// The keys one query row may see: a contiguous range `[start, end)` from
-/// the causal rule, the window and the key lengths, then, inside it, the
-/// keep-mask row.
-///
-/// Every path asks this type, so the masking semantics live in one place.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct VisibleKeys<'m> {
-    /// Keys before `start` are outside the sliding window.
-    pub start: usize,
-    /// Keys at index `>= end` are invisible.
-    pub end: usize,
-    /// The keep-mask row for this query, of length `total_len_kv` or 1
-    /// (broadcast), indexed by `key_offset + j`.
-    pub keep: Option<ArrayView1<'m, bool>>,
-    /// Index in the whole sequence of the call's key 0.
-    pub key_offset: usize,
-}
-
-impl VisibleKeys<'_> {
-    /// Whether key `j` is visible.
-    #[inline]
-    pub fn contains(&self, j: usize) -> bool {
-        (self.start..self.end).contains(&j)
-            && self
-                .keep
-                .as_ref()
-                .is_none_or(|row| row[broadcast(row.len(), self.key_offset + j)])
-    }
-}
-
-/// The index into a broadcast axis of length `len` (1 or the full length).
-#[inline]
-pub(crate) fn broadcast(len: usize, index: usize) -> usize {
-    if len == 1 { 0 } else { index }
-}
-
-/// The last-axis row `[b, h, i, ..]` of a broadcastable 4-D view.
-pub(crate) fn broadcast_row<'v, T>(
-    view: &'v ArrayView4<'_, T>,
-    b: usize,
-    h: usize,
-    i: usize,
-) -> ArrayView1<'v, T> {
-    let shape = view.shape();
-    view.index_axis(Axis(0), broadcast(shape[0], b))
-        .index_axis_move(Axis(0), broadcast(shape[1], h))
-        .index_axis_move(Axis(0), broadcast(shape[2], i))
-}
-
-impl<'a, F: Copy> AttentionOptions<'a, F> {
-    /// Index in the whole key sequence of the call's key 0 (see
-    /// [`key_shard`](Self::key_shard)).
-    pub(crate) fn key_offset(&self) -> usize {
-        self.key_shard.map_or(0, |shard| shard.offset)
-    }
-
-    /// The contiguous visible key range `[start, end)` for query `i` of
-    /// batch item `b`, from the causal rule, the window and the key lengths,
-    /// in the call's own key indices (`len_kv` of them).
-    pub(crate) fn visible_range(
-        &self,
-        b: usize,
-        i: usize,
-        len_q: usize,
-        len_kv: usize,
-    ) -> std::ops::Range<usize> {
-        let (offset, len_kv_local) = (self.key_offset(), len_kv);
-        let len_kv = self.key_shard.map_or(len_kv, |shard| shard.total_len_kv);
-        // One past the last key the query may see under the causal rule
-        // (its diagonal), before clamping to the keys there are.
-        let diagonal_end = match self.causal {
-            None => len_kv,
-            Some(CausalAlignment::TopLeft) => i + 1,
-            // j ≤ i + len_kv − len_q, i.e. j < i + 1 + len_kv − len_q, clamped at 0.
-            Some(CausalAlignment::BottomRight) => (i + 1 + len_kv).saturating_sub(len_q),
-        };
-        let start = match self.window {
-            Some(window) => diagonal_end.saturating_sub(window),
-            None => 0,
-        };
-        let key_length = self.key_lengths.map_or(len_kv, |lengths| lengths[b]);
-        let end = diagonal_end.min(len_kv).min(key_length);
-        // From the whole sequence's indices to the call's own.
-        let local = |j: usize| j.saturating_sub(offset).min(len_kv_local);
-        let (start, end) = (local(start.min(end)), local(end));
-        start..end
-    }
-
-    /// The keys visible to query `i` of batch item `b`, head `h`.
-    /// Only valid after the options were checked against the shapes.
-    pub(crate) fn visible_keys(
-        &self,
-        b: usize,
-        h: usize,
-        i: usize,
-        len_q: usize,
-        len_kv: usize,
-    ) -> VisibleKeys<'_> {
-        let range = self.visible_range(b, i, len_q, len_kv);
-        VisibleKeys {
-            start: range.start,
-            end: range.end,
-            key_offset: self.key_offset(),
-            keep: self
-                .keep_mask
-                .as_ref()
-                .map(|mask| broadcast_row(mask, b, h, i)),
-        }
-    }
 }

@@ -12,18 +12,22 @@
 //!
 //! This is the building block of split-KV decoding across threads and of
 //! ring or sequence-parallel attention across processes and machines: each
-//! worker computes [`scaled_dot_product_attention_partial`] on its key shard
+//! worker computes
+//! [`scaled_dot_product_attention_partial`](crate::scaled_dot_product_attention_partial)
+//! on its key shard
 //! (with [`AttentionOptions::key_shard`] telling it where the shard sits, so
 //! causal masks, windows and key lengths stay right), ships the two arrays,
 //! and anyone merges them.
+
+//!
+//! Below both paths: the fused decode driver merges its key chunks with
+//! [`merge_row`]; the backward takes a forward's `AttentionPartial`.
 
 use ndarray::{Array3, Array4, ArrayView3, ArrayView4, ArrayViewMut1, Zip};
 use num_traits::Float;
 
 use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
-use crate::options::AttentionOptions;
-use crate::shape;
 
 /// Attention over a shard of the keys: the output normalised over the
 /// shard, `[batch, heads, len_q, d_v]`, and each row's log-sum-exp of its
@@ -31,66 +35,36 @@ use crate::shape;
 ///
 /// A row that sees no key of the shard has output 0 and log-sum-exp `−inf`,
 /// and merging it changes nothing.
+///
+/// Made by
+/// [`scaled_dot_product_attention_partial`](crate::scaled_dot_product_attention_partial)
+/// (the forward result that
+/// [`scaled_dot_product_attention_backward`](crate::scaled_dot_product_attention_backward)
+/// takes), by merging, or from received arrays with
+/// [`from_parts`](Self::from_parts).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttentionPartial<F> {
     output: Array4<F>,
     log_sum_exp: Array3<F>,
 }
 
-/// Attention over the keys and values given, as a mergeable
-/// [`AttentionPartial`]. With all the keys, its output is the attention
-/// output and its log-sum-exp the normaliser the backward pass needs.
-///
-/// Use [`AttentionOptions::key_shard`] when `k` and `v` are a shard of a
-/// longer key sequence.
-///
-/// # Errors
-/// As [`scaled_dot_product_attention`](crate::scaled_dot_product_attention).
-///
-/// ```
-/// use ndarray::{Array4, s};
-/// use sdpa::{scaled_dot_product_attention_partial, AttentionOptions, AttentionPartial};
-///
-/// let q = Array4::<f64>::from_shape_fn((1, 2, 5, 4), |(_, h, i, d)| (h + i * d) as f64 * 0.1);
-/// let kv = Array4::<f64>::from_shape_fn((1, 2, 9, 4), |(_, h, j, d)| ((h * j + d) % 5) as f64 * 0.2);
-/// // The whole call, and the same keys in two shards of 4 and 5.
-/// let whole = sdpa::core::scaled_dot_product_attention(q.view(), kv.view(), kv.view(), &AttentionOptions::new().causal())?;
-/// let first = scaled_dot_product_attention_partial(
-///     q.view(), kv.slice(s![.., .., ..4, ..]), kv.slice(s![.., .., ..4, ..]),
-///     &AttentionOptions::new().causal().key_shard(0, 9))?;
-/// let second = scaled_dot_product_attention_partial(
-///     q.view(), kv.slice(s![.., .., 4.., ..]), kv.slice(s![.., .., 4.., ..]),
-///     &AttentionOptions::new().causal().key_shard(4, 9))?;
-/// let merged = AttentionPartial::merge_all([first, second])?.into_output();
-/// assert!(merged.iter().zip(&whole).all(|(a, b)| (a - b).abs() < 1e-12));
-/// # Ok::<(), sdpa::AttentionError>(())
-/// ```
-pub fn scaled_dot_product_attention_partial<F: Element>(
-    q: ArrayView4<'_, F>,
-    k: ArrayView4<'_, F>,
-    v: ArrayView4<'_, F>,
-    opts: &AttentionOptions<'_, F>,
-) -> Result<AttentionPartial<F>, AttentionError> {
-    let (shape, scale) = shape::check(&q, &k, &v, opts)?;
-    let mut output = Array4::zeros(shape.output_dim());
-    let mut log_sum_exp = Array3::zeros((shape.batch, shape.heads, shape.len_q));
-    F::attention_into_checked(
-        &q,
-        &k,
-        &v,
-        opts,
-        &shape,
-        scale,
-        output.view_mut(),
-        Some(log_sum_exp.view_mut()),
-    )?;
-    Ok(AttentionPartial {
-        output,
-        log_sum_exp,
-    })
-}
-
 impl<F: Element> AttentionPartial<F> {
+    /// Zero output and log-sum-exp of the given shape, to be written.
+    pub(crate) fn zeros(output_dim: (usize, usize, usize, usize)) -> Self {
+        let (b, h, l, _) = output_dim;
+        Self {
+            output: Array4::zeros(output_dim),
+            log_sum_exp: Array3::zeros((b, h, l)),
+        }
+    }
+
+    /// Both arrays, to be written by a forward path.
+    pub(crate) fn parts_mut(
+        &mut self,
+    ) -> (ndarray::ArrayViewMut4<'_, F>, ndarray::ArrayViewMut3<'_, F>) {
+        (self.output.view_mut(), self.log_sum_exp.view_mut())
+    }
+
     /// A partial from its two arrays, e.g. received from another machine.
     ///
     /// # Errors

@@ -26,8 +26,8 @@ use proptest::prelude::*;
 use sdpa::core::scaled_dot_product_attention_backward;
 use sdpa::simd::available_kernel_sets;
 use sdpa::{
-    AttentionError, AttentionGradients, AttentionOptions, CausalAlignment, Element, ErrorKind,
-    scaled_dot_product_attention_partial,
+    AttentionError, AttentionGradients, AttentionOptions, AttentionPartial, CausalAlignment,
+    Element, ErrorKind, scaled_dot_product_attention_partial,
 };
 
 /// The bound on the relative error of each gradient entry against the
@@ -47,16 +47,8 @@ fn gradients<F: Element>(
 ) -> AttentionGradients<F> {
     let (q, k, v) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
     let forward = scaled_dot_product_attention_partial(q, k, v, opts).expect("valid forward");
-    scaled_dot_product_attention_backward(
-        q,
-        k,
-        v,
-        opts,
-        forward.output(),
-        forward.log_sum_exp(),
-        w.view(),
-    )
-    .expect("valid backward")
+    scaled_dot_product_attention_backward(q, k, v, opts, &forward, w.view())
+        .expect("valid backward")
 }
 
 /// `L = Σ out ∘ w` on the reference forward.
@@ -577,8 +569,7 @@ proptest! {
                 k.slice(keys),
                 v.slice(keys),
                 &opts.clone().key_shard(shard[0], dims.len_kv),
-                whole.output(),
-                whole.log_sum_exp(),
+                &whole,
                 w.view(),
             )
             .unwrap();
@@ -612,7 +603,8 @@ proptest! {
         let extras64 = extras.to_f64();
         let expected = gradients(&inputs.to_f64(), &extras64.options(), &w.mapv(f64::from));
         for set in available_kernel_sets() {
-            let actual = gradients(&inputs, &extras.options().kernel_set(set), &w);
+            let actual = sdpa::simd::with_kernel_set(set, || gradients(&inputs, &extras.options(), &w))
+                .expect("an available kernel set");
             let tol = 1e-4;
             prop_close(&actual.d_q.view(), &expected.d_q.view(), tol)?;
             prop_close(&actual.d_k.view(), &expected.d_k.view(), tol)?;
@@ -642,7 +634,7 @@ proptest! {
         let (q, k, v) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
         let forward = scaled_dot_product_attention_partial(q, k, v, &opts).unwrap();
         let expected = scaled_dot_product_attention_backward(
-            q, k, v, &opts, forward.output(), forward.log_sum_exp(), w.view(),
+            q, k, v, &opts, &forward, w.view(),
         ).unwrap();
 
         // Each array stored as [len, heads, batch, d] (or reversed bias) and
@@ -651,12 +643,10 @@ proptest! {
         fn view(x: &Array4<f64>) -> ArrayView4<'_, f64> {
             x.view().permuted_axes([2, 1, 0, 3])
         }
-        let (q2, k2, v2, out2, w2) = (
-            relaid(&inputs.q), relaid(&inputs.k), relaid(&inputs.v),
-            relaid(&forward.output().to_owned()), relaid(&w),
+        let (q2, k2, v2, w2) = (
+            relaid(&inputs.q), relaid(&inputs.k), relaid(&inputs.v), relaid(&w),
         );
         let bias2 = bias.view().reversed_axes().to_owned();
-        let lse2 = forward.log_sum_exp().reversed_axes().to_owned();
         let opts2 = {
             let mut opts = AttentionOptions::new().bias(bias2.view().reversed_axes());
             if let Some(alignment) = causal {
@@ -665,8 +655,7 @@ proptest! {
             opts
         };
         let actual = scaled_dot_product_attention_backward(
-            view(&q2), view(&k2), view(&v2), &opts2,
-            view(&out2), lse2.view().reversed_axes(), view(&w2),
+            view(&q2), view(&k2), view(&v2), &opts2, &forward, view(&w2),
         ).unwrap();
         prop_close(&actual.d_q.view(), &expected.d_q.view(), 1e-12)?;
         prop_close(&actual.d_k.view(), &expected.d_k.view(), 1e-12)?;
@@ -917,12 +906,17 @@ fn backward_error(
     k: ArrayView4<'_, f64>,
     v: ArrayView4<'_, f64>,
     opts: &AttentionOptions<'_, f64>,
-    out: ArrayView4<'_, f64>,
-    lse: ndarray::ArrayView3<'_, f64>,
+    forward: &AttentionPartial<f64>,
     d_out: ArrayView4<'_, f64>,
 ) -> AttentionError {
-    scaled_dot_product_attention_backward(q, k, v, opts, out, lse, d_out)
+    scaled_dot_product_attention_backward(q, k, v, opts, forward, d_out)
         .expect_err("a bad call must be an error")
+}
+
+/// A forward result of output shape `dim`, all zeros.
+fn zero_forward(dim: (usize, usize, usize, usize)) -> AttentionPartial<f64> {
+    AttentionPartial::from_parts(Array4::zeros(dim), Array3::zeros((dim.0, dim.1, dim.2)))
+        .expect("consistent parts")
 }
 
 #[test]
@@ -930,29 +924,37 @@ fn bad_shapes_are_errors_naming_the_shapes() {
     let q = Array4::<f64>::zeros((2, 4, 3, 5));
     let k = Array4::<f64>::zeros((2, 2, 6, 5));
     let v = Array4::<f64>::zeros((2, 2, 6, 7));
-    let out = Array4::<f64>::zeros((2, 4, 3, 7));
-    let lse = Array3::<f64>::zeros((2, 4, 3));
+    let forward = zero_forward((2, 4, 3, 7));
+    let fw = &forward;
     let opts = AttentionOptions::new();
-    let (qv, kv, vv, ov, lv) = (q.view(), k.view(), v.view(), out.view(), lse.view());
+    let (qv, kv, vv, ov) = (q.view(), k.view(), v.view(), forward.output());
 
     // The backward's own arrays.
     for bad in [(2, 4, 3, 5), (2, 4, 2, 7), (1, 4, 3, 7), (2, 2, 3, 7)] {
-        let bad = Array4::<f64>::zeros(bad);
-        let e = backward_error(qv, kv, vv, &opts, bad.view(), lv, ov);
+        let bad_forward = zero_forward(bad);
+        let e = backward_error(qv, kv, vv, &opts, &bad_forward, ov);
         assert_eq!(e.kind(), ErrorKind::ShapeMismatch);
-        assert!(e.message().starts_with("out has shape"), "{e}");
         assert!(
-            e.message().contains(&format!("{:?}", bad.shape()))
+            e.message().starts_with("the forward's output has shape"),
+            "{e}"
+        );
+        assert!(
+            e.message()
+                .contains(&format!("{:?}", bad_forward.output().shape()))
                 && e.message().contains("[2, 4, 3, 7]"),
             "{e}"
         );
-        let e = backward_error(qv, kv, vv, &opts, ov, lv, bad.view());
+        let bad = Array4::<f64>::zeros(bad);
+        let e = backward_error(qv, kv, vv, &opts, fw, bad.view());
         assert_eq!(e.kind(), ErrorKind::ShapeMismatch);
         assert!(e.message().starts_with("d_out has shape"), "{e}");
     }
+    // A forward result's log-sum-exp always fits its output: a mismatched
+    // pair cannot even be built.
     for bad in [(2, 4, 4), (2, 2, 3), (1, 4, 3)] {
-        let bad = Array3::<f64>::zeros(bad);
-        let e = backward_error(qv, kv, vv, &opts, ov, bad.view(), ov);
+        let e =
+            AttentionPartial::from_parts(Array4::<f64>::zeros((2, 4, 3, 7)), Array3::zeros(bad))
+                .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::ShapeMismatch);
         assert!(
             e.message().contains("log_sum_exp") && e.message().contains("[2, 4, 3]"),
@@ -962,12 +964,12 @@ fn bad_shapes_are_errors_naming_the_shapes() {
 
     // The forward's checks apply too.
     let k_bad = Array4::<f64>::zeros((2, 2, 6, 4));
-    let e = backward_error(qv, k_bad.view(), vv, &opts, ov, lv, ov);
+    let e = backward_error(qv, k_bad.view(), vv, &opts, fw, ov);
     assert_eq!(e.kind(), ErrorKind::ShapeMismatch);
     assert!(e.message().contains("d_k"), "{e}");
     let k3 = Array4::<f64>::zeros((2, 3, 6, 5));
     let v3 = Array4::<f64>::zeros((2, 3, 6, 7));
-    let e = backward_error(qv, k3.view(), v3.view(), &opts, ov, lv, ov);
+    let e = backward_error(qv, k3.view(), v3.view(), &opts, fw, ov);
     assert_eq!(e.kind(), ErrorKind::HeadsNotDivisible);
     let bias = Array4::<f64>::zeros((2, 3, 3, 6));
     let e = backward_error(
@@ -975,8 +977,7 @@ fn bad_shapes_are_errors_naming_the_shapes() {
         kv,
         vv,
         &AttentionOptions::new().bias(bias.view()),
-        ov,
-        lv,
+        fw,
         ov,
     );
     assert_eq!(e.kind(), ErrorKind::NotBroadcastable);
@@ -985,36 +986,19 @@ fn bad_shapes_are_errors_naming_the_shapes() {
         kv,
         vv,
         &AttentionOptions::new().key_lengths(&[6, 7]),
-        ov,
-        lv,
+        fw,
         ov,
     );
     assert_eq!(e.kind(), ErrorKind::KeyLengths);
-    let e = backward_error(qv, kv, vv, &AttentionOptions::new().window(0), ov, lv, ov);
+    let e = backward_error(qv, kv, vv, &AttentionOptions::new().window(0), fw, ov);
     assert_eq!(e.kind(), ErrorKind::InvalidOption);
-    let e = backward_error(
-        qv,
-        kv,
-        vv,
-        &AttentionOptions::new().scale(f64::NAN),
-        ov,
-        lv,
-        ov,
-    );
+    let e = backward_error(qv, kv, vv, &AttentionOptions::new().scale(f64::NAN), fw, ov);
     assert_eq!(e.kind(), ErrorKind::InvalidOption);
-    let e = backward_error(
-        qv,
-        kv,
-        vv,
-        &AttentionOptions::new().key_shard(2, 7),
-        ov,
-        lv,
-        ov,
-    );
+    let e = backward_error(qv, kv, vv, &AttentionOptions::new().key_shard(2, 7), fw, ov);
     assert_eq!(e.kind(), ErrorKind::InvalidOption);
 
     // And a valid call with these shapes works.
-    assert!(scaled_dot_product_attention_backward(qv, kv, vv, &opts, ov, lv, ov).is_ok());
+    assert!(scaled_dot_product_attention_backward(qv, kv, vv, &opts, fw, ov).is_ok());
 }
 
 #[test]

@@ -5,6 +5,11 @@ use ndarray::{Array4, ArrayView4, Axis, s};
 use sdpa::simd::{KernelSet, available_kernel_sets};
 use sdpa::{AttentionOptions, CausalAlignment};
 
+/// `f` with every `f32` call on this thread running on kernel set `set`.
+fn on<R>(set: KernelSet, f: impl FnOnce() -> R) -> R {
+    sdpa::simd::with_kernel_set(set, f).expect("an available kernel set")
+}
+
 /// Deterministic uniform numbers in [-1, 1) (SplitMix64).
 struct Rng(u64);
 
@@ -186,10 +191,12 @@ fn check(
         &bias32,
         &inputs.key_lengths,
         case.scale.map(|s| s as f32),
-    )
-    .kernel_set(set);
+    );
     let (q, k, v) = views;
-    let got = sdpa::scaled_dot_product_attention(q, k, v, &fast_opts).expect("fast call");
+    let got = on(set, || {
+        sdpa::scaled_dot_product_attention(q, k, v, &fast_opts)
+    })
+    .expect("fast call");
     assert_eq!(got.shape(), expected.shape());
     for ((index, &g), &e) in got.indexed_iter().zip(expected.iter()) {
         let error = (g as f64 - e).abs();
@@ -342,12 +349,14 @@ fn masked_nan_and_infinity_never_reach_the_output() {
         inputs.k.slice_mut(s![.., .., 69, ..]).fill(f64::NAN);
         inputs.v.slice_mut(s![.., .., 69, ..]).fill(f64::INFINITY);
         inputs.v.slice_mut(s![.., .., 68, 0]).fill(f64::NAN);
-        let got = sdpa::scaled_dot_product_attention(
-            to_f32(&inputs.q).view(),
-            to_f32(&inputs.k).view(),
-            to_f32(&inputs.v).view(),
-            &AttentionOptions::new().causal().kernel_set(set),
-        )
+        let got = on(set, || {
+            sdpa::scaled_dot_product_attention(
+                to_f32(&inputs.q).view(),
+                to_f32(&inputs.k).view(),
+                to_f32(&inputs.v).view(),
+                &AttentionOptions::new().causal(),
+            )
+        })
         .unwrap();
         // Rows 0..=67 see neither poisoned key.
         for i in 0..68 {
@@ -376,18 +385,23 @@ fn masked_nan_and_infinity_never_reach_the_output() {
 #[test]
 fn a_forced_kernel_set_the_cpu_lacks_is_an_error() {
     let x = Array4::<f32>::zeros((1, 1, 2, 2));
-    for set in KernelSet::ALL {
-        let result = sdpa::scaled_dot_product_attention(
-            x.view(),
-            x.view(),
-            x.view(),
-            &AttentionOptions::new().kernel_set(set),
-        );
+    for &set in KernelSet::all() {
+        let result = sdpa::simd::with_kernel_set(set, || {
+            sdpa::scaled_dot_product_attention(
+                x.view(),
+                x.view(),
+                x.view(),
+                &AttentionOptions::new(),
+            )
+        });
         assert_eq!(
             result.is_ok(),
             available_kernel_sets().contains(&set),
             "{set}"
         );
+        if let Err(error) = result {
+            assert_eq!(error.kind(), sdpa::ErrorKind::UnsupportedKernel);
+        }
     }
 }
 
@@ -416,12 +430,9 @@ fn rows_with_no_visible_key_are_zero() {
         let x = Array4::<f32>::ones((1, 1, 5, 4));
         // Bottom-right causal with len_q > len_kv: the first rows see nothing.
         let k = x.slice(s![.., .., ..3, ..]);
-        let out = sdpa::scaled_dot_product_attention(
-            x.view(),
-            k,
-            k,
-            &AttentionOptions::new().causal().kernel_set(set),
-        )
+        let out = on(set, || {
+            sdpa::scaled_dot_product_attention(x.view(), k, k, &AttentionOptions::new().causal())
+        })
         .unwrap();
         assert!(out.index_axis(Axis(2), 0).iter().all(|&y| y == 0.0));
         assert!(out.index_axis(Axis(2), 1).iter().all(|&y| y == 0.0));
@@ -446,18 +457,20 @@ fn relative_frobenius_error(set: KernelSet, causal: bool, sigma: f64, rng: &mut 
         &opts(AttentionOptions::new()),
     )
     .unwrap();
-    let fast_opts = AttentionOptions::new().kernel_set(set);
+    let fast_opts = AttentionOptions::new();
     let fast_opts = if causal {
         fast_opts.causal()
     } else {
         fast_opts
     };
-    let fast = sdpa::scaled_dot_product_attention(
-        to_f32(&q).view(),
-        to_f32(&k).view(),
-        to_f32(&v).view(),
-        &fast_opts,
-    )
+    let fast = on(set, || {
+        sdpa::scaled_dot_product_attention(
+            to_f32(&q).view(),
+            to_f32(&k).view(),
+            to_f32(&v).view(),
+            &fast_opts,
+        )
+    })
     .unwrap();
     let error: f64 = fast
         .iter()

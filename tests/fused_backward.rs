@@ -43,8 +43,7 @@ fn check(
         k.view(),
         v.view(),
         &opts,
-        forward.output(),
-        forward.log_sum_exp(),
+        &forward,
         d_out.view(),
     )
     .unwrap();
@@ -52,17 +51,18 @@ fn check(
     let (q32, k32, v32, bias32, d_out32) =
         (f32s(&q), f32s(&k), f32s(&v), f32s(&bias), f32s(&d_out));
     for set in available_kernel_sets() {
-        let opts = option_case(case, &keep, &bias32, &lengths).kernel_set(set);
-        let forward =
+        let opts = option_case(case, &keep, &bias32, &lengths);
+        let forward = sdpa::simd::with_kernel_set(set, || {
             scaled_dot_product_attention_partial(q32.view(), k32.view(), v32.view(), &opts)
-                .unwrap();
+        })
+        .unwrap()
+        .unwrap();
         let got = scaled_dot_product_attention_backward(
             q32.view(),
             k32.view(),
             v32.view(),
             &opts,
-            forward.output(),
-            forward.log_sum_exp(),
+            &forward,
             d_out32.view(),
         )
         .unwrap();

@@ -72,8 +72,11 @@ proptest! {
         let (q32, k32, v32) = (q.mapv(|x| x as f32), k.mapv(|x| x as f32), v.mapv(|x| x as f32));
         let bias32 = bias.mapv(|x| x as f32);
         for set in available_kernel_sets() {
-            let opts = option_case(case, &keep, &bias32, &lengths).kernel_set(set);
-            let merged = split_and_merge(q32.view(), k32.view(), v32.view(), &cuts, &opts, right_to_left);
+            let opts = option_case(case, &keep, &bias32, &lengths);
+            let merged = sdpa::simd::with_kernel_set(set, || {
+                split_and_merge(q32.view(), k32.view(), v32.view(), &cuts, &opts, right_to_left)
+            })
+            .unwrap();
             for (a, b) in merged.iter().zip(&whole) {
                 prop_assert!((*a as f64 - b).abs() < 1e-5, "{set}: {a} vs {b}");
             }
@@ -110,12 +113,15 @@ fn log_sum_exp_is_that_of_the_visible_scaled_scores() {
             k.mapv(|x| x as f32),
             v.mapv(|x| x as f32),
         );
-        let fast = scaled_dot_product_attention_partial(
-            q.view(),
-            k.view(),
-            v.view(),
-            &AttentionOptions::new().causal().kernel_set(set),
-        )
+        let fast = sdpa::simd::with_kernel_set(set, || {
+            scaled_dot_product_attention_partial(
+                q.view(),
+                k.view(),
+                v.view(),
+                &AttentionOptions::new().causal(),
+            )
+        })
+        .unwrap()
         .unwrap();
         for (a, b) in fast.log_sum_exp().iter().zip(partial.log_sum_exp()) {
             assert!((*a as f64 - b).abs() < 1e-5, "{set}");

@@ -32,10 +32,17 @@ fn output_is_bitwise_identical_for_one_two_and_three_threads() {
             let q = data((2, heads, len_q, 40), 1);
             let k = data((2, kv_heads, len_kv, 40), 2);
             let v = data((2, kv_heads, len_kv, 24), 3);
-            let opts = AttentionOptions::new().kernel_set(set);
+            let opts = AttentionOptions::new();
             let opts = if causal { opts.causal() } else { opts };
-            let run =
-                || sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts).unwrap();
+            // The kernel set is chosen on the calling thread, which here is
+            // one of the pool's.
+            let run = || {
+                sdpa::simd::with_kernel_set(set, || {
+                    sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
+                })
+                .unwrap()
+                .unwrap()
+            };
             let one = with_threads(1, run);
             for threads in [2, 3] {
                 let many = with_threads(threads, run);

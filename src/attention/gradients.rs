@@ -327,15 +327,10 @@ impl<F: Element> Layer<F> {
         let d_concatenated = unrows(d_concatenated, batch, len_q)?;
         let out = split_heads(&cache.concatenated, c.heads)?;
         let d_out = split_heads(&d_concatenated, c.heads)?;
-        let attention = crate::scaled_dot_product_attention_backward(
-            q,
-            k,
-            v,
-            &cache.options,
-            out,
-            cache.log_sum_exp.view(),
-            d_out,
-        )?;
+        let forward =
+            crate::AttentionPartial::from_parts(out.to_owned(), cache.log_sum_exp.clone())?;
+        let attention =
+            crate::scaled_dot_product_attention_backward(q, k, v, &cache.options, &forward, d_out)?;
         let d_q = merge_heads_rows(attention.d_q)?;
         let d_k = merge_heads_rows(attention.d_k)?;
         let d_v = merge_heads_rows(attention.d_v)?;

@@ -30,51 +30,32 @@
 //! Like the rest of `core`, this never calls into `simd`.
 
 use ndarray::linalg::general_mat_mul;
-use ndarray::{Array2, Array4, ArrayView2, ArrayView3, ArrayView4, ArrayViewMut2, ArrayViewMut4};
+use ndarray::{Array2, ArrayView2, ArrayView4, ArrayViewMut2, ArrayViewMut4};
 
+use crate::call::{self, BackwardCall, head, head_mut};
 use crate::element::Element;
-use crate::error::{AttentionError, shape_error};
-use crate::options::{AttentionOptions, broadcast, broadcast_row};
-use crate::shape::{self, AttentionShape};
-
-use super::{head, head_mut};
-
-/// The gradients of a scalar loss `L` with respect to the inputs of an
-/// attention call, from [`scaled_dot_product_attention_backward`].
-///
-/// Each array has the shape of the input it is the gradient of. With
-/// grouped-query attention, `d_k` and `d_v` of a key/value head are summed
-/// over the query heads that share it; `d_bias` is summed over the
-/// dimensions in which the bias broadcasts.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AttentionGradients<F> {
-    /// `∂L/∂q`, `[batch, heads, len_q, d_k]`.
-    pub d_q: Array4<F>,
-    /// `∂L/∂k`, `[batch, kv_heads, len_kv, d_k]`.
-    pub d_k: Array4<F>,
-    /// `∂L/∂v`, `[batch, kv_heads, len_kv, d_v]`.
-    pub d_v: Array4<F>,
-    /// `∂L/∂bias`, in the shape the bias was given in (each dimension the
-    /// full size or 1), when the options had a bias; `None` otherwise.
-    pub d_bias: Option<Array4<F>>,
-}
+use crate::error::AttentionError;
+use crate::gradients::{AttentionGradients, GradientsViewMut};
+use crate::mask::broadcast;
+use crate::options::AttentionOptions;
+use crate::partial::AttentionPartial;
 
 /// The backward pass of scaled dot-product attention on the reference path:
 /// the gradients of a scalar loss `L` with respect to `q`, `k`, `v` and the
 /// bias, given `d_out = ∂L/∂out`.
 ///
 /// - `q`, `k`, `v`, `opts`: the forward call's arguments, unchanged.
-/// - `out`: the forward's output, `[batch, heads, len_q, d_v]`.
-/// - `log_sum_exp`: the forward's log-sum-exp of each row's visible scaled
-///   (and biased) scores, `[batch, heads, len_q]`; `−inf` for a row that
-///   sees no key.
+/// - `forward`: the forward's result from
+///   [`scaled_dot_product_attention_partial`](crate::scaled_dot_product_attention_partial):
+///   its output `[batch, heads, len_q, d_v]` and the log-sum-exp of each
+///   row's visible scaled (and biased) scores, `[batch, heads, len_q]`
+///   (`−inf` for a row that sees no key). A type of its own, so it cannot
+///   be swapped with `d_out`.
 /// - `d_out`: `∂L/∂out`, `[batch, heads, len_q, d_v]`.
 ///
-/// [`scaled_dot_product_attention_partial`](crate::scaled_dot_product_attention_partial)
-/// gives `out` and `log_sum_exp` in one call. The weights are recomputed
-/// from the log-sum-exp, so `out` and `log_sum_exp` must come from a forward
-/// with the same arguments (on any path); otherwise the result is not a
-/// gradient of anything. Views of any strides are accepted.
+/// The weights are recomputed from the log-sum-exp, so `forward` must come
+/// from a forward with the same arguments (on any path); otherwise the
+/// result is not a gradient of anything. Views of any strides are accepted.
 ///
 /// Every option is supported. A masked query–key pair contributes exactly 0
 /// to every gradient, and NaN or ±inf in masked keys, values or bias entries
@@ -83,8 +64,8 @@ pub struct AttentionGradients<F> {
 /// rows.
 ///
 /// **Key shards.** With [`AttentionOptions::key_shard`], `k` and `v` are one
-/// shard of the keys, while `out`, `log_sum_exp` and `d_out` are those of
-/// the whole (merged) call. The result is then the shard's part: `d_k` and
+/// shard of the keys, while `forward` and `d_out` are those of the whole
+/// (merged) call. The result is then the shard's part: `d_k` and
 /// `d_v` of the shard's keys, and the shard's contributions to `d_q` and
 /// `d_bias` (the bias has the whole sequence's columns; those of other
 /// shards get 0). Summing `d_q` and `d_bias` over all shards gives the
@@ -93,8 +74,8 @@ pub struct AttentionGradients<F> {
 /// # Errors
 /// As [`scaled_dot_product_attention`](super::scaled_dot_product_attention)
 /// for `q`, `k`, `v` and the options, and an [`AttentionError`] naming the
-/// shapes when `out` or `d_out` is not `[batch, heads, len_q, d_v]` or
-/// `log_sum_exp` is not `[batch, heads, len_q]`.
+/// shapes when the forward's output or `d_out` is not
+/// `[batch, heads, len_q, d_v]`.
 ///
 /// ```
 /// use ndarray::Array4;
@@ -110,8 +91,7 @@ pub struct AttentionGradients<F> {
 /// // The loss L = sum(out), so dL/dout is all ones.
 /// let d_out = Array4::<f64>::ones(forward.output().raw_dim());
 /// let grads = sdpa::core::scaled_dot_product_attention_backward(
-///     q.view(), k.view(), v.view(), &opts,
-///     forward.output(), forward.log_sum_exp(), d_out.view(),
+///     q.view(), k.view(), v.view(), &opts, &forward, d_out.view(),
 /// )?;
 /// assert_eq!(grads.d_q.shape(), q.shape());
 /// assert_eq!(grads.d_k.shape(), k.shape()); // summed over the 2 query heads
@@ -138,115 +118,26 @@ pub fn scaled_dot_product_attention_backward<F: Element>(
     k: ArrayView4<'_, F>,
     v: ArrayView4<'_, F>,
     opts: &AttentionOptions<'_, F>,
-    out: ArrayView4<'_, F>,
-    log_sum_exp: ArrayView3<'_, F>,
+    forward: &AttentionPartial<F>,
     d_out: ArrayView4<'_, F>,
 ) -> Result<AttentionGradients<F>, AttentionError> {
-    let (shape, scale) = check_backward(&q, &k, &v, opts, &out, &log_sum_exp, &d_out)?;
-    let mut gradients = AttentionGradients::zeros(&q, &k, &v, opts);
-    backward_into_checked(
-        &q,
-        &k,
-        &v,
-        opts,
-        &shape,
-        scale,
-        &out,
-        &log_sum_exp,
-        &d_out,
-        gradients.view_mut(),
-    );
+    let call = call::check_backward(call::check(&q, &k, &v, opts)?, forward, &d_out)?;
+    let mut gradients = AttentionGradients::zeros(&call.forward);
+    backward(&call, gradients.view_mut());
     Ok(gradients)
 }
 
-/// Checks a backward call's arguments: those of the forward
-/// ([`shape::check`]), then `out`, `log_sum_exp` and `d_out` against the
-/// forward's output shape. Returns the shape and the scale to use.
-pub(crate) fn check_backward<F: Element>(
-    q: &ArrayView4<'_, F>,
-    k: &ArrayView4<'_, F>,
-    v: &ArrayView4<'_, F>,
-    opts: &AttentionOptions<'_, F>,
-    out: &ArrayView4<'_, F>,
-    log_sum_exp: &ArrayView3<'_, F>,
-    d_out: &ArrayView4<'_, F>,
-) -> Result<(AttentionShape, F), AttentionError> {
-    let (shape, scale) = shape::check(q, k, v, opts)?;
-    let (b, h, l, d) = shape.output_dim();
-    let expected = [b, h, l, d];
-    for (name, got) in [("out", out.shape()), ("d_out", d_out.shape())] {
-        if got != expected {
-            return Err(shape_error(format!(
-                "{name} has shape {got:?} but the forward's output is \
-                 [batch, heads, len_q, d_v] = {expected:?} (q {:?}, v {:?})",
-                q.shape(),
-                v.shape()
-            )));
-        }
-    }
-    if log_sum_exp.shape() != &expected[..3] {
-        return Err(shape_error(format!(
-            "log_sum_exp has shape {:?} but the forward's is [batch, heads, len_q] = {:?} (q {:?})",
-            log_sum_exp.shape(),
-            &expected[..3],
-            q.shape()
-        )));
-    }
-    Ok((shape, scale))
-}
-
-impl<F: Element> AttentionGradients<F> {
-    /// Zero gradients shaped like `q`, `k`, `v` and the options' bias.
-    pub(crate) fn zeros(
-        q: &ArrayView4<'_, F>,
-        k: &ArrayView4<'_, F>,
-        v: &ArrayView4<'_, F>,
-        opts: &AttentionOptions<'_, F>,
-    ) -> Self {
-        AttentionGradients {
-            d_q: Array4::zeros(q.raw_dim()),
-            d_k: Array4::zeros(k.raw_dim()),
-            d_v: Array4::zeros(v.raw_dim()),
-            d_bias: opts.bias.as_ref().map(|bias| Array4::zeros(bias.raw_dim())),
-        }
-    }
-
-    /// Views to write every gradient through.
-    pub(crate) fn view_mut(&mut self) -> GradientsViewMut<'_, F> {
-        GradientsViewMut {
-            d_q: self.d_q.view_mut(),
-            d_k: self.d_k.view_mut(),
-            d_v: self.d_v.view_mut(),
-            d_bias: self.d_bias.as_mut().map(|d_bias| d_bias.view_mut()),
-        }
-    }
-}
-
-/// Mutable views of the gradients a backward pass writes; `d_bias` has the
-/// bias's own (broadcast) shape.
-pub(crate) struct GradientsViewMut<'a, F> {
-    pub d_q: ArrayViewMut4<'a, F>,
-    pub d_k: ArrayViewMut4<'a, F>,
-    pub d_v: ArrayViewMut4<'a, F>,
-    pub d_bias: Option<ArrayViewMut4<'a, F>>,
-}
-
-/// The reference backward on arguments checked by [`check_backward`];
-/// overwrites every gradient in `gradients`, which have the shapes of `q`,
-/// `k`, `v` and the bias.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward_into_checked<F: Element>(
-    q: &ArrayView4<'_, F>,
-    k: &ArrayView4<'_, F>,
-    v: &ArrayView4<'_, F>,
-    opts: &AttentionOptions<'_, F>,
-    shape: &AttentionShape,
-    scale: F,
-    out: &ArrayView4<'_, F>,
-    log_sum_exp: &ArrayView3<'_, F>,
-    d_out: &ArrayView4<'_, F>,
-    gradients: GradientsViewMut<'_, F>,
-) {
+/// The reference backward on a checked call; overwrites every gradient in
+/// `gradients`, which have the shapes of `q`, `k`, `v` and the bias.
+pub(crate) fn backward<F: Element>(call: &BackwardCall<'_, F>, gradients: GradientsViewMut<'_, F>) {
+    let BackwardCall {
+        forward,
+        out,
+        log_sum_exp,
+        d_out,
+    } = call;
+    let (shape, scale) = (forward.shape, forward.scale);
+    let (q, k, v) = (&forward.q, &forward.k, &forward.v);
     let GradientsViewMut {
         mut d_q,
         mut d_k,
@@ -275,8 +166,8 @@ pub(crate) fn backward_into_checked<F: Element>(
             // discarded by selection below.
             general_mat_mul(F::one(), &d_out_h, &vh.t(), F::zero(), &mut d_scores);
             for i in 0..shape.len_q {
-                let visible = opts.visible_keys(b, h, i, shape.len_q, shape.len_kv);
-                let bias = opts.bias.as_ref().map(|bias| broadcast_row(bias, b, h, i));
+                let visible = forward.visible_keys(b, h, i);
+                let bias = forward.bias_row(b, h, i);
                 let lse = log_sum_exp[[b, h, i]];
                 let mut p_row = probabilities.row_mut(i);
                 let mut ds_row = d_scores.row_mut(i);
@@ -337,7 +228,7 @@ pub(crate) fn backward_into_checked<F: Element>(
             );
 
             if let Some(d_bias) = d_bias.as_mut() {
-                accumulate_bias_gradient(d_bias, d_scores.view(), b, h, opts.key_offset());
+                accumulate_bias_gradient(d_bias, d_scores.view(), b, h, forward.key_offset());
             }
         }
     }

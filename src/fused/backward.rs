@@ -29,67 +29,21 @@
 //! product for `dQ`, and the query rows that see no key are zeroed before
 //! they take part in `dK` and `dV`.
 
-use ndarray::{Array2, ArrayView1, ArrayView2, ArrayView3, ArrayView4, Axis, s};
+use ndarray::{Array2, ArrayView2, Axis, s};
 
-use super::{
-    KEY_TILE, PackedKeysValues, QUERY_TILE, TilePosition, TileSpan,
-    accumulate_skipping_zero_weights, add_bias, kernel_set, mask,
-};
-use crate::core::backward::GradientsViewMut;
-use crate::core::{head, head_mut};
-use crate::error::AttentionError;
-use crate::options::{AttentionOptions, broadcast};
+use super::pack::{PackedHead, QueryRows};
+use super::tile::{TilePosition, TileSpan, accumulate_skipping_zero_weights, add_bias, mask};
+use super::{KEY_TILE, QUERY_TILE};
+use crate::call::{BackwardCall, head, head_mut};
+use crate::gradients::GradientsViewMut;
+use crate::mask::broadcast;
 use crate::parallel::map_with;
-use crate::shape::AttentionShape;
-use crate::simd::{self, Kernel, WithKernel};
-
-/// The backward pass on the fused path, with the kernel set the options or
-/// the environment choose. Arguments checked by `check_backward`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward_into(
-    q: &ArrayView4<'_, f32>,
-    k: &ArrayView4<'_, f32>,
-    v: &ArrayView4<'_, f32>,
-    opts: &AttentionOptions<'_, f32>,
-    shape: &AttentionShape,
-    scale: f32,
-    out: &ArrayView4<'_, f32>,
-    log_sum_exp: &ArrayView3<'_, f32>,
-    d_out: &ArrayView4<'_, f32>,
-    gradients: GradientsViewMut<'_, f32>,
-) -> Result<(), AttentionError> {
-    let inputs = BackwardInputs {
-        q,
-        k,
-        v,
-        opts,
-        shape,
-        scale,
-        out,
-        log_sum_exp,
-        d_out,
-    };
-    simd::with_kernel(kernel_set(opts)?, FusedBackward { inputs, gradients })
-}
-
-/// The inputs of one backward call.
-#[derive(Clone, Copy)]
-struct BackwardInputs<'c, 'a, 'o> {
-    q: &'c ArrayView4<'a, f32>,
-    k: &'c ArrayView4<'a, f32>,
-    v: &'c ArrayView4<'a, f32>,
-    opts: &'c AttentionOptions<'o, f32>,
-    shape: &'c AttentionShape,
-    scale: f32,
-    out: &'c ArrayView4<'a, f32>,
-    log_sum_exp: &'c ArrayView3<'a, f32>,
-    d_out: &'c ArrayView4<'a, f32>,
-}
+use crate::simd::{Kernel, WithKernel};
 
 /// One backward call, waiting for its kernel.
-struct FusedBackward<'c, 'a, 'o, 'g> {
-    inputs: BackwardInputs<'c, 'a, 'o>,
-    gradients: GradientsViewMut<'g, f32>,
+pub(super) struct Backward<'c, 'a, 'g> {
+    pub(super) call: &'c BackwardCall<'a, f32>,
+    pub(super) gradients: GradientsViewMut<'g, f32>,
 }
 
 /// What one `(batch, kv_head)` work item computes.
@@ -103,11 +57,11 @@ struct HeadGradients {
     d_scores: Vec<Option<Array2<f32>>>,
 }
 
-impl WithKernel for FusedBackward<'_, '_, '_, '_> {
+impl WithKernel for Backward<'_, '_, '_> {
     type Output = ();
 
     fn run<K: Kernel>(self, kernel: K) {
-        let FusedBackward { inputs, gradients } = self;
+        let Backward { call, gradients } = self;
         let GradientsViewMut {
             mut d_q,
             mut d_k,
@@ -119,7 +73,7 @@ impl WithKernel for FusedBackward<'_, '_, '_, '_> {
         if let Some(d_bias) = d_bias.as_mut() {
             d_bias.fill(0.0);
         }
-        let shape = *inputs.shape;
+        let shape = call.forward.shape;
         // With no value columns the output is empty and every gradient 0.
         if shape.d_v == 0 || shape.len_q == 0 || shape.len_kv == 0 {
             d_q.fill(0.0);
@@ -133,11 +87,11 @@ impl WithKernel for FusedBackward<'_, '_, '_, '_> {
         let results = map_with(
             jobs.clone(),
             || BackwardScratch::new::<K>(&shape),
-            |scratch, (b, kv_h)| head_gradients(kernel, &inputs, scratch, b, kv_h),
+            |scratch, (b, kv_h)| head_gradients(kernel, call, scratch, b, kv_h),
         );
         // Written in job order, so sums over broadcast bias dimensions are
         // the same for any thread count.
-        let group = shape.heads / shape.kv_heads;
+        let group = shape.group();
         for ((b, kv_h), result) in jobs.into_iter().zip(results) {
             head_mut(&mut d_k, b, kv_h).assign(&result.d_k);
             head_mut(&mut d_v, b, kv_h).assign(&result.d_v);
@@ -161,14 +115,15 @@ impl WithKernel for FusedBackward<'_, '_, '_, '_> {
 /// The gradients of one `(batch, kv_head)` and the query heads sharing it.
 fn head_gradients<K: Kernel>(
     kernel: K,
-    inputs: &BackwardInputs<'_, '_, '_>,
+    call: &BackwardCall<'_, f32>,
     buffers: &mut BackwardScratch,
     b: usize,
     kv_h: usize,
 ) -> HeadGradients {
-    let shape = *inputs.shape;
+    let forward = &call.forward;
+    let shape = forward.shape;
     let (len_q, len_kv, d_k, d_v) = (shape.len_q, shape.len_kv, shape.d_k, shape.d_v);
-    let (k_head, v_head) = (head(inputs.k, b, kv_h), head(inputs.v, b, kv_h));
+    let (k_head, v_head) = (head(&forward.k, b, kv_h), head(&forward.v, b, kv_h));
     let BackwardScratch {
         keys_first,
         values_first,
@@ -183,13 +138,13 @@ fn head_gradients<K: Kernel>(
     let mut d_k_acc = Array2::<f32>::zeros((padded_keys, k_width));
     let mut d_v_acc = Array2::<f32>::zeros((padded_keys, v_width));
 
-    let group = shape.heads / shape.kv_heads;
+    let group = shape.group();
     let mut d_q = Vec::with_capacity(group);
     let mut d_scores = Vec::with_capacity(group);
     for h in kv_h * group..(kv_h + 1) * group {
-        rows.fill(inputs, b, h);
+        rows.fill(call, b, h);
         let mut d_q_acc = Array2::<f32>::zeros((rows.padded, k_width));
-        let mut d_scores_h = inputs
+        let mut d_scores_h = forward
             .opts
             .bias
             .as_ref()
@@ -203,7 +158,7 @@ fn head_gradients<K: Kernel>(
                     i0,
                     rows: QUERY_TILE.min(len_q - i0),
                 };
-                let span = TileSpan::of(&at, inputs.opts, &shape);
+                let span = TileSpan::of(&at, forward);
                 (at, span)
             })
             .collect();
@@ -211,21 +166,25 @@ fn head_gradients<K: Kernel>(
             let j0 = t * KEY_TILE;
             for (at, span) in tiles.iter().filter(|(_, span)| span.sees_tile(j0)) {
                 let step = TileStep { at, span, j0, t };
-                scratch.step(
-                    kernel,
-                    inputs,
-                    &step,
+                let packed = PackedInputs {
                     rows,
                     keys_first,
                     values_first,
-                    &mut d_k_acc,
-                    &mut d_v_acc,
-                    &mut d_q_acc,
-                    d_scores_h.as_mut(),
-                );
+                };
+                let sums = GradientSums {
+                    d_k: &mut d_k_acc,
+                    d_v: &mut d_v_acc,
+                    d_q: &mut d_q_acc,
+                    d_scores: d_scores_h.as_mut(),
+                };
+                scratch.step(kernel, forward, &step, &packed, sums);
             }
         }
-        d_q.push(d_q_acc.slice(s![..len_q, ..d_k]).mapv(|x| x * inputs.scale));
+        d_q.push(
+            d_q_acc
+                .slice(s![..len_q, ..d_k])
+                .mapv(|x| x * forward.scale),
+        );
         d_scores.push(d_scores_h);
     }
     HeadGradients {
@@ -241,125 +200,38 @@ fn head_gradients<K: Kernel>(
 /// padding, which stays zero).
 struct BackwardScratch {
     /// Keys packed as panels (for `S`) with values as rows.
-    keys_first: PackedKeysValues,
+    keys_first: PackedHead,
     /// Values packed as panels (for `dP`) with keys as rows (for `dQ`).
-    values_first: PackedKeysValues,
+    values_first: PackedHead,
     rows: QueryRows,
     tiles: TileBuffers,
 }
 
 impl BackwardScratch {
-    fn new<K: Kernel>(shape: &AttentionShape) -> Self {
+    fn new<K: Kernel>(shape: &crate::call::AttentionShape) -> Self {
         BackwardScratch {
-            keys_first: PackedKeysValues::new::<K>(shape.len_kv, shape.d_k, shape.d_v),
-            values_first: PackedKeysValues::new::<K>(shape.len_kv, shape.d_v, shape.d_k),
+            keys_first: PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v),
+            values_first: PackedHead::new::<K>(shape.len_kv, shape.d_v, shape.d_k),
             rows: QueryRows::new::<K>(shape),
             tiles: TileBuffers::new::<K>(),
         }
     }
 }
 
-/// One query head's rows, packed for the kernels; rows padded to whole
-/// query tiles. Rows that see no key (log-sum-exp `−inf`) and
-/// padding rows are zero, and their log-sum-exp is `−inf`, so they add
-/// nothing anywhere.
-struct QueryRows {
-    /// `scale·q`, `[padded][d_k]` for `scores`, and `[padded][k_width]` as rows.
-    q_scaled: Vec<f32>,
-    q_scaled_rows: Array2<f32>,
-    /// `d_out`, `[padded][d_v]` for `scores`, and `[padded][v_width]` as rows.
-    d_out: Vec<f32>,
-    d_out_rows: Array2<f32>,
-    /// `D_i = Σ_c dO_ic · O_ic`.
-    delta: Vec<f32>,
-    log_sum_exp: Vec<f32>,
-    padded: usize,
+/// The packed operands of one `(batch, kv_head)` and query head.
+struct PackedInputs<'p> {
+    rows: &'p QueryRows,
+    keys_first: &'p PackedHead,
+    values_first: &'p PackedHead,
 }
 
-impl QueryRows {
-    /// Zeroed buffers for one query head of `shape`.
-    fn new<K: Kernel>(shape: &AttentionShape) -> Self {
-        let (d_k, d_v) = (shape.d_k, shape.d_v);
-        let padded = shape.len_q.div_ceil(QUERY_TILE) * QUERY_TILE;
-        let (k_width, v_width) = (
-            d_k.div_ceil(K::LANES) * K::LANES,
-            d_v.div_ceil(K::LANES) * K::LANES,
-        );
-        QueryRows {
-            q_scaled: vec![0.0; padded * d_k],
-            q_scaled_rows: Array2::zeros((padded, k_width)),
-            d_out: vec![0.0; padded * d_v],
-            d_out_rows: Array2::zeros((padded, v_width)),
-            delta: vec![0.0; padded],
-            log_sum_exp: vec![f32::NEG_INFINITY; padded],
-            padded,
-        }
-    }
-
-    /// Packs query head `h` of batch item `b`. Every real row is written
-    /// (zeros for rows that see no key); padding rows stay as `new` made
-    /// them, so the buffers serve head after head.
-    fn fill(&mut self, inputs: &BackwardInputs<'_, '_, '_>, b: usize, h: usize) {
-        let (d_k, d_v) = (inputs.shape.d_k, inputs.shape.d_v);
-        let (q, out, d_out) = (
-            head(inputs.q, b, h),
-            head(inputs.out, b, h),
-            head(inputs.d_out, b, h),
-        );
-        let lse = inputs
-            .log_sum_exp
-            .index_axis(Axis(0), b)
-            .index_axis_move(Axis(0), h);
-        let rows = q
-            .rows()
-            .into_iter()
-            .zip(out.rows())
-            .zip(d_out.rows())
-            .zip(&lse)
-            .zip(self.q_scaled.chunks_exact_mut(d_k))
-            .zip(self.q_scaled_rows.rows_mut())
-            .zip(self.d_out.chunks_exact_mut(d_v))
-            .zip(self.d_out_rows.rows_mut())
-            .zip(self.delta.iter_mut().zip(self.log_sum_exp.iter_mut()));
-        for (
-            (((((((q, out), d_out), &lse), q_scaled), mut q_row), d_out_packed), mut d_out_row),
-            (delta, lse_packed),
-        ) in rows
-        {
-            // Rows that see no key are zero, whatever q and d_out hold there.
-            let sees_keys = lse != f32::NEG_INFINITY;
-            *lse_packed = lse;
-            copy_scaled(q_scaled, q, if sees_keys { inputs.scale } else { 0.0 });
-            copy_scaled(d_out_packed, d_out, if sees_keys { 1.0 } else { 0.0 });
-            q_row.as_slice_mut().expect("contiguous")[..d_k].copy_from_slice(q_scaled);
-            d_out_row.as_slice_mut().expect("contiguous")[..d_v].copy_from_slice(d_out_packed);
-            *delta = if sees_keys {
-                d_out_packed
-                    .iter()
-                    .zip(out.iter())
-                    .map(|(&g, &o)| g * o)
-                    .sum()
-            } else {
-                0.0
-            };
-        }
-    }
-}
-
-/// `to[c] = factor · from[c]`, on slices when `from` is contiguous. A zero
-/// factor writes zeros even where `from` holds NaN.
-fn copy_scaled(to: &mut [f32], from: ArrayView1<'_, f32>, factor: f32) {
-    if factor == 0.0 {
-        to.fill(0.0);
-        return;
-    }
-    match from.as_slice() {
-        Some(from) => to.iter_mut().zip(from).for_each(|(t, &x)| *t = factor * x),
-        None => to
-            .iter_mut()
-            .zip(from.iter())
-            .for_each(|(t, &x)| *t = factor * x),
-    }
+/// The accumulators one step adds to: `dK`, `dV` of the key/value head and
+/// `dQ` of the query head, padded; `dS` `[len_q, len_kv]` with a bias.
+struct GradientSums<'s> {
+    d_k: &'s mut Array2<f32>,
+    d_v: &'s mut Array2<f32>,
+    d_q: &'s mut Array2<f32>,
+    d_scores: Option<&'s mut Array2<f32>>,
 }
 
 /// Which query tile meets which key tile.
@@ -393,21 +265,26 @@ impl TileBuffers {
 
     /// One query tile against one key tile: adds to `dK_j`, `dV_j`, `dQ_i`
     /// and, with a bias, stores `dS`.
-    #[allow(clippy::too_many_arguments)]
     fn step<K: Kernel>(
         &mut self,
         kernel: K,
-        inputs: &BackwardInputs<'_, '_, '_>,
+        forward: &crate::call::Call<'_, f32>,
         step: &TileStep<'_>,
-        rows: &QueryRows,
-        keys_first: &PackedKeysValues,
-        values_first: &PackedKeysValues,
-        d_k_acc: &mut Array2<f32>,
-        d_v_acc: &mut Array2<f32>,
-        d_q_acc: &mut Array2<f32>,
-        d_scores: Option<&mut Array2<f32>>,
+        packed: &PackedInputs<'_>,
+        sums: GradientSums<'_>,
     ) {
-        let shape = inputs.shape;
+        let shape = &forward.shape;
+        let PackedInputs {
+            rows,
+            keys_first,
+            values_first,
+        } = *packed;
+        let GradientSums {
+            d_k: d_k_acc,
+            d_v: d_v_acc,
+            d_q: d_q_acc,
+            d_scores,
+        } = sums;
         let (d_k, d_v) = (shape.d_k, shape.d_v);
         let TileStep { at, span, j0, t } = *step;
         let (i0, n) = (at.i0, at.rows.div_ceil(K::ROWS) * K::ROWS);
@@ -419,13 +296,13 @@ impl TileBuffers {
         kernel.scores(
             &rows.q_scaled[i0 * d_k..(i0 + n) * d_k],
             d_k,
-            &keys_first.key_panels[j0 * d_k..(j0 + KEY_TILE) * d_k],
+            keys_first.tile_panels(j0, d_k),
             p,
             KEY_TILE,
         );
-        add_bias(p, at, j0, inputs.opts, shape);
-        if span.needs_mask(j0, inputs.opts) {
-            mask(p, at, j0, inputs.opts, shape);
+        add_bias(p, at, j0, forward);
+        if span.needs_mask(j0, forward) {
+            mask(p, at, j0, forward);
         }
         kernel.exp_rows_shifted(p, KEY_TILE, KEY_TILE, &rows.log_sum_exp[i0..i0 + n]);
 
@@ -447,7 +324,7 @@ impl TileBuffers {
         kernel.scores(
             &rows.d_out[i0 * d_v..(i0 + n) * d_v],
             d_v,
-            &values_first.key_panels[j0 * d_v..(j0 + KEY_TILE) * d_v],
+            values_first.tile_panels(j0, d_v),
             d_s,
             KEY_TILE,
         );
@@ -485,12 +362,12 @@ impl TileBuffers {
         );
 
         // dQ_i += dS · K_j (scaled at the end).
-        let k_rows = values_first.values.slice(s![j0..j0 + KEY_TILE, ..]);
+        let k_rows = values_first.rows.slice(s![j0..j0 + KEY_TILE, ..]);
         let d_q_tile = d_q_acc
             .slice_mut(s![i0..i0 + n, ..])
             .into_slice()
             .expect("a standard-layout tile");
-        if values_first.tile_has_nonfinite_values[t] {
+        if values_first.tile_has_nonfinite_rows[t] {
             accumulate_skipping_zero_weights(d_s_tile, k_rows, &self.ones[..n], d_q_tile);
         } else {
             kernel.accumulate_values(d_s_tile, k_rows, k_width, &self.ones[..n], d_q_tile);

@@ -72,6 +72,11 @@ impl KernelSet {
         KernelSet::Neon,
     ];
 
+    /// Every kernel set the crate has (temporary: see the simd branch).
+    pub fn all() -> &'static [KernelSet] {
+        &Self::ALL
+    }
+
     /// The name `SDPA_KERNEL` takes for this set.
     pub fn name(self) -> &'static str {
         match self {
@@ -207,3 +212,28 @@ pub(crate) fn with_kernel<J: WithKernel>(
 
 #[cfg(test)]
 mod tests;
+
+thread_local! {
+    static FORCED: std::cell::Cell<Option<KernelSet>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with every `f32` call made on this thread using `set`.
+/// Temporary: see the simd branch.
+///
+/// # Errors
+/// When this CPU cannot run `set`.
+pub fn with_kernel_set<R>(set: KernelSet, f: impl FnOnce() -> R) -> Result<R, AttentionError> {
+    check_available(set)?;
+    let previous = FORCED.replace(Some(set));
+    let result = f();
+    FORCED.set(previous);
+    Ok(result)
+}
+
+/// The kernel set a call made on this thread runs on.
+pub(crate) fn current_kernel_set() -> Result<KernelSet, AttentionError> {
+    match FORCED.get() {
+        Some(set) => Ok(set),
+        None => selected_kernel_set(),
+    }
+}

@@ -1,0 +1,302 @@
+//! Checks an attention call's arguments against each other, once, before
+//! any path runs, and hands the paths one checked value: [`Call`] for a
+//! forward, [`BackwardCall`] for a backward. After the check every index
+//! the paths compute is in bounds.
+//!
+//! Below both paths: it imports only the options, the error type and the
+//! partial result type.
+
+use ndarray::{
+    ArrayBase, ArrayView2, ArrayView3, ArrayView4, ArrayViewMut2, Axis, Data, DataMut, Ix4,
+};
+
+use crate::element::Element;
+use crate::error::{AttentionError, ErrorKind, shape_error};
+use crate::options::AttentionOptions;
+use crate::partial::AttentionPartial;
+
+/// The dimensions of a checked attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AttentionShape {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub len_q: usize,
+    pub len_kv: usize,
+    pub d_k: usize,
+    pub d_v: usize,
+}
+
+impl AttentionShape {
+    /// Query heads per key/value head (GQA/MQA).
+    #[inline]
+    pub fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    /// The key/value head that query head `h` reads: consecutive groups of
+    /// `heads / kv_heads` query heads share one key/value head.
+    #[inline]
+    pub fn kv_head(&self, h: usize) -> usize {
+        h / self.group()
+    }
+
+    /// `[batch, heads, len_q, d_v]`, the output's shape.
+    pub fn output_dim(&self) -> (usize, usize, usize, usize) {
+        (self.batch, self.heads, self.len_q, self.d_v)
+    }
+}
+
+/// A forward call whose arguments agree with each other: the inputs, the
+/// options, the dimensions and the scale to use. It borrows what the caller
+/// passed, under one lifetime (ndarray's views are invariant in theirs, so
+/// the views and options are reborrowed rather than moved).
+#[derive(Debug, Clone)]
+pub(crate) struct Call<'a, F> {
+    pub q: ArrayView4<'a, F>,
+    pub k: ArrayView4<'a, F>,
+    pub v: ArrayView4<'a, F>,
+    pub opts: AttentionOptions<'a, F>,
+    pub shape: AttentionShape,
+    pub scale: F,
+}
+
+/// A backward call: the forward's call, its result and `d_out`, all of the
+/// forward's output shape.
+#[derive(Debug, Clone)]
+pub(crate) struct BackwardCall<'a, F> {
+    pub forward: Call<'a, F>,
+    pub out: ArrayView4<'a, F>,
+    pub log_sum_exp: ArrayView3<'a, F>,
+    pub d_out: ArrayView4<'a, F>,
+}
+
+/// Checks `q`, `k`, `v` and the options against each other.
+pub(crate) fn check<'a, F: Element>(
+    q: &'a ArrayView4<'_, F>,
+    k: &'a ArrayView4<'_, F>,
+    v: &'a ArrayView4<'_, F>,
+    opts: &'a AttentionOptions<'_, F>,
+) -> Result<Call<'a, F>, AttentionError> {
+    let shape = check_shapes(q.shape(), k.shape(), v.shape())?;
+    let layouts = || describe(q.shape(), k.shape(), v.shape());
+    let total_len_kv = match opts.key_shard {
+        Some(shard) if shard.offset + shape.len_kv > shard.total_len_kv => {
+            return Err(AttentionError::new(
+                ErrorKind::InvalidOption,
+                format!(
+                    "key_shard: keys {}..{} do not fit in total_len_kv = {}: {}",
+                    shard.offset,
+                    shard.offset + shape.len_kv,
+                    shard.total_len_kv,
+                    layouts()
+                ),
+            ));
+        }
+        Some(shard) => shard.total_len_kv,
+        None => shape.len_kv,
+    };
+    let full = [shape.batch, shape.heads, shape.len_q, total_len_kv];
+    if let Some(mask) = &opts.keep_mask {
+        check_broadcast("keep_mask", mask.shape(), &full)?;
+    }
+    if let Some(bias) = &opts.bias {
+        check_broadcast("bias", bias.shape(), &full)?;
+    }
+    if let Some(lengths) = opts.key_lengths {
+        if lengths.len() != shape.batch {
+            return Err(AttentionError::new(
+                ErrorKind::KeyLengths,
+                format!(
+                    "key_lengths has {} entries but batch is {}: {}",
+                    lengths.len(),
+                    shape.batch,
+                    layouts()
+                ),
+            ));
+        }
+        if let Some((b, &len)) = lengths
+            .iter()
+            .enumerate()
+            .find(|&(_, &len)| len > total_len_kv)
+        {
+            return Err(AttentionError::new(
+                ErrorKind::KeyLengths,
+                format!(
+                    "key_lengths[{b}] = {len} is past len_kv = {}: {}",
+                    total_len_kv,
+                    layouts()
+                ),
+            ));
+        }
+    }
+    if opts.window == Some(0) {
+        return Err(AttentionError::new(
+            ErrorKind::InvalidOption,
+            "window must be at least 1 key, got 0",
+        ));
+    }
+    let scale = match opts.scale {
+        Some(s) if !s.is_finite() => {
+            return Err(AttentionError::new(
+                ErrorKind::InvalidOption,
+                format!("scale must be finite, got {s}"),
+            ));
+        }
+        Some(s) => s,
+        None => F::one() / F::from(shape.d_k).unwrap_or_else(F::one).sqrt(),
+    };
+    Ok(Call {
+        q: q.view(),
+        k: k.view(),
+        v: v.view(),
+        opts: opts.reborrow(),
+        shape,
+        scale,
+    })
+}
+
+/// The dimensions of `q`, `k` and `v`, if they agree.
+fn check_shapes(
+    qs: &[usize],
+    ks: &[usize],
+    vs: &[usize],
+) -> Result<AttentionShape, AttentionError> {
+    let layouts = || describe(qs, ks, vs);
+    if ks[0] != qs[0] || vs[0] != qs[0] {
+        return Err(shape_error(format!("batch sizes differ: {}", layouts())));
+    }
+    if qs[3] == 0 {
+        return Err(AttentionError::new(
+            ErrorKind::ZeroDimension,
+            format!("d_k must be positive: {}", layouts()),
+        ));
+    }
+    if ks[3] != qs[3] {
+        return Err(shape_error(format!("d_k of q and k differ: {}", layouts())));
+    }
+    if vs[1] != ks[1] {
+        return Err(shape_error(format!(
+            "kv_heads of k and v differ: {}",
+            layouts()
+        )));
+    }
+    if vs[2] != ks[2] {
+        return Err(shape_error(format!(
+            "len_kv of k and v differ: {}",
+            layouts()
+        )));
+    }
+    if qs[1] == 0 || ks[1] == 0 {
+        return Err(AttentionError::new(
+            ErrorKind::ZeroDimension,
+            format!("heads and kv_heads must be positive: {}", layouts()),
+        ));
+    }
+    if !qs[1].is_multiple_of(ks[1]) {
+        return Err(AttentionError::new(
+            ErrorKind::HeadsNotDivisible,
+            format!(
+                "heads ({}) must be a multiple of kv_heads ({}): {}",
+                qs[1],
+                ks[1],
+                layouts()
+            ),
+        ));
+    }
+    Ok(AttentionShape {
+        batch: qs[0],
+        heads: qs[1],
+        kv_heads: ks[1],
+        len_q: qs[2],
+        len_kv: ks[2],
+        d_k: qs[3],
+        d_v: vs[3],
+    })
+}
+
+fn describe(qs: &[usize], ks: &[usize], vs: &[usize]) -> String {
+    format!(
+        "q {qs:?} = [batch, heads, len_q, d_k], k {ks:?} = [batch, kv_heads, len_kv, d_k], \
+         v {vs:?} = [batch, kv_heads, len_kv, d_v]"
+    )
+}
+
+/// Checks that `out` has exactly the output's shape.
+pub(crate) fn check_output(shape: &AttentionShape, out: &[usize]) -> Result<(), AttentionError> {
+    let (b, h, l, d) = shape.output_dim();
+    if out != [b, h, l, d] {
+        return Err(shape_error(format!(
+            "out has shape {out:?} but the output is [batch, heads, len_q, d_v] = {:?}",
+            [b, h, l, d]
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a backward call: the forward's arguments ([`check`]), then the
+/// forward's result and `d_out` against the forward's output shape.
+pub(crate) fn check_backward<'a, F: Element>(
+    forward: Call<'a, F>,
+    result: &'a AttentionPartial<F>,
+    d_out: &'a ArrayView4<'_, F>,
+) -> Result<BackwardCall<'a, F>, AttentionError> {
+    let (out, log_sum_exp) = (result.output(), result.log_sum_exp());
+    let (b, h, l, d) = forward.shape.output_dim();
+    let expected = [b, h, l, d];
+    for (name, got) in [
+        ("the forward's output", out.shape()),
+        ("d_out", d_out.shape()),
+    ] {
+        if got != expected {
+            return Err(shape_error(format!(
+                "{name} has shape {got:?} but the call's output is \
+                 [batch, heads, len_q, d_v] = {expected:?} (q {:?}, v {:?})",
+                forward.q.shape(),
+                forward.v.shape()
+            )));
+        }
+    }
+    // `AttentionPartial` keeps its two arrays consistent, so the
+    // log-sum-exp is `[batch, heads, len_q]` once the output is right.
+    debug_assert_eq!(log_sum_exp.shape(), &expected[..3]);
+    Ok(BackwardCall {
+        forward,
+        out,
+        log_sum_exp,
+        d_out: d_out.view(),
+    })
+}
+
+fn check_broadcast(name: &str, got: &[usize], full: &[usize; 4]) -> Result<(), AttentionError> {
+    let fits = got.iter().zip(full).all(|(&g, &f)| g == f || g == 1);
+    if fits {
+        Ok(())
+    } else {
+        Err(AttentionError::new(
+            ErrorKind::NotBroadcastable,
+            format!(
+                "{name} has shape {got:?}, which does not broadcast to \
+                 [batch, heads, len_q, len_kv] = {full:?} (each dimension must match or be 1)"
+            ),
+        ))
+    }
+}
+
+/// The `[len, d]` matrix of batch item `b`, head `h`.
+pub(crate) fn head<'v, F, S: Data<Elem = F>>(
+    x: &'v ArrayBase<S, Ix4>,
+    b: usize,
+    h: usize,
+) -> ArrayView2<'v, F> {
+    x.index_axis(Axis(0), b).index_axis_move(Axis(0), h)
+}
+
+/// The mutable `[len, d]` matrix of batch item `b`, head `h`.
+pub(crate) fn head_mut<'v, F, S: DataMut<Elem = F>>(
+    x: &'v mut ArrayBase<S, Ix4>,
+    b: usize,
+    h: usize,
+) -> ArrayViewMut2<'v, F> {
+    x.index_axis_mut(Axis(0), b).index_axis_move(Axis(0), h)
+}

@@ -1,0 +1,129 @@
+//! The decode driver: one or a few query rows per head against many keys,
+//! a bandwidth-bound regime. Keys and values are read in place, once per
+//! head, in chunks of `DECODE_CHUNK` keys that run in parallel; each
+//! chunk's partial `(O, log-sum-exp)` is merged in chunk order, so the
+//! result does not depend on the thread count.
+
+use ndarray::{Array1, Array2, ArrayView2, ArrayView4, ArrayViewMut3, ArrayViewMut4, Axis, s};
+
+use super::tile::{KeySource, QueryTile, TilePosition};
+use super::{DECODE_CHUNK, DECODE_MAX_QUERIES, KEY_TILE};
+use crate::call::{Call, head, head_mut};
+use crate::parallel::map_with;
+use crate::partial::merge_row;
+use crate::simd::Kernel;
+
+/// Whether the call is a decoding step whose keys and values the kernels
+/// can read in place: few queries, rows contiguous, and head dims that are
+/// whole vectors (so no row is read past its end).
+pub(super) fn reads_keys_in_place<K: Kernel>(call: &Call<'_, f32>) -> bool {
+    let contiguous_rows = |x: &ArrayView4<'_, f32>| x.shape()[3] <= 1 || x.strides()[3] == 1;
+    let shape = call.shape;
+    shape.len_q <= DECODE_MAX_QUERIES
+        && shape.d_k.is_multiple_of(K::LANES)
+        && shape.d_v.is_multiple_of(K::LANES)
+        && contiguous_rows(&call.k)
+        && contiguous_rows(&call.v)
+}
+
+/// Runs a decoding step (see the module header).
+pub(super) fn decode<K: Kernel>(
+    kernel: K,
+    call: &Call<'_, f32>,
+    mut out: ArrayViewMut4<'_, f32>,
+    mut log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
+) {
+    let shape = call.shape;
+    let group = shape.group();
+    let chunks = shape.len_kv.div_ceil(DECODE_CHUNK).max(1);
+    let jobs: Vec<_> = (0..shape.batch)
+        .flat_map(|b| {
+            (0..shape.kv_heads).flat_map(move |kv_h| (0..chunks).map(move |c| (b, kv_h, c)))
+        })
+        .collect();
+    let partials = map_with(
+        jobs,
+        || QueryTile::new::<K>(&shape, shape.len_q),
+        |tile, (b, kv_h, c)| {
+            let source = KeyRows {
+                k: head(&call.k, b, kv_h),
+                v: head(&call.v, b, kv_h),
+            };
+            let keys = c * DECODE_CHUNK..((c + 1) * DECODE_CHUNK).min(shape.len_kv);
+            (kv_h * group..(kv_h + 1) * group)
+                .map(|h| {
+                    let at = TilePosition {
+                        b,
+                        h,
+                        i0: 0,
+                        rows: shape.len_q,
+                    };
+                    tile.attend(kernel, call, &at, &source, keys.clone());
+                    let mut out = Array2::zeros((shape.len_q, shape.d_v));
+                    let mut lse = Array1::zeros(shape.len_q);
+                    tile.write_output(&at, &mut out.view_mut(), Some(lse.view_mut()));
+                    (out, lse)
+                })
+                .collect::<Vec<_>>()
+        },
+    );
+    // Jobs came out in (b, kv_h, chunk) order: merge each head's chunks.
+    for (job, chunk_heads) in partials.chunks(chunks).enumerate() {
+        let (b, kv_h) = (job / shape.kv_heads, job % shape.kv_heads);
+        for g in 0..group {
+            let h = kv_h * group + g;
+            let (mut merged, mut merged_lse) = chunk_heads[0][g].clone();
+            for later in &chunk_heads[1..] {
+                let (other, other_lse) = &later[g];
+                for i in 0..shape.len_q {
+                    merge_row(
+                        merged.row_mut(i),
+                        &mut merged_lse[i],
+                        other.row(i).iter().copied(),
+                        other_lse[i],
+                    );
+                }
+            }
+            head_mut(&mut out, b, h).assign(&merged);
+            if let Some(log_sum_exp) = log_sum_exp.as_mut() {
+                log_sum_exp
+                    .index_axis_mut(Axis(0), b)
+                    .index_axis_mut(Axis(0), h)
+                    .assign(&merged_lse);
+            }
+        }
+    }
+}
+
+/// One head's `k` `[len_kv, d_k]` and `v` `[len_kv, d_v]`, read in place
+/// from contiguous rows.
+struct KeyRows<'p> {
+    k: ArrayView2<'p, f32>,
+    v: ArrayView2<'p, f32>,
+}
+
+impl KeyRows<'_> {
+    /// The keys of the tile starting at `j0`: a whole tile but at the end.
+    fn tile(&self, j0: usize) -> std::ops::Range<usize> {
+        j0..(j0 + KEY_TILE).min(self.k.nrows())
+    }
+}
+
+impl KeySource for KeyRows<'_> {
+    /// Reading keys in place works on the real rows only.
+    fn computed_rows<K: Kernel>(rows: usize) -> usize {
+        rows
+    }
+
+    fn scores<K: Kernel>(&self, kernel: K, q: &[f32], d_k: usize, j0: usize, scores: &mut [f32]) {
+        let k_tile = self.k.slice(s![self.tile(j0), ..]);
+        kernel.row_scores(q, d_k, k_tile, scores, KEY_TILE);
+    }
+
+    fn values(&self, j0: usize, masked: bool) -> (ArrayView2<'_, f32>, bool) {
+        let values = self.v.slice(s![self.tile(j0), ..]);
+        // Only a masked tile can multiply a hidden value by 0.
+        let nonfinite = masked && !values.iter().all(|x| x.is_finite());
+        (values, nonfinite)
+    }
+}

@@ -1,0 +1,189 @@
+//! Packing operands into the layouts the kernels read: a head's keys in
+//! panels for the `scores` kernel beside a second matrix over the same keys
+//! as padded rows for the `accumulate_values` kernel ([`PackedHead`]), and
+//! the backward's query rows ([`QueryRows`]).
+//!
+//! Padding (keys to whole key tiles, rows to whole query tiles, columns to
+//! whole vectors) is zero, so the kernels have no ragged edges.
+
+use ndarray::{Array2, ArrayView1, ArrayView2, Axis};
+
+use super::{KEY_TILE, QUERY_TILE};
+use crate::call::{AttentionShape, BackwardCall, head};
+use crate::simd::Kernel;
+
+/// Two matrices over the same `len_kv` keys, packed for the kernels and
+/// padded to whole key tiles: `panels` for the `scores` kernel (S = Q·Kᵀ
+/// in the forward; dP = dO·Vᵀ in the backward, with the values there) and
+/// `rows` for the `accumulate_values` kernel (P·V in the forward; dS·K in
+/// the backward, with the keys there).
+pub(crate) struct PackedHead {
+    /// The first matrix in panels of `K::KEY_PANEL` keys, each
+    /// `[width][KEY_PANEL]`.
+    pub(crate) panels: Vec<f32>,
+    /// The second matrix, `[len_kv padded][width rounded up to the vector width]`.
+    pub(crate) rows: Array2<f32>,
+    /// Per key tile: does `rows` hold a NaN or an infinity there?
+    pub(crate) tile_has_nonfinite_rows: Vec<bool>,
+}
+
+impl PackedHead {
+    /// Buffers for `len_kv` keys, panels of `panel_width` numbers per key
+    /// and rows of `row_width`.
+    pub(crate) fn new<K: Kernel>(len_kv: usize, panel_width: usize, row_width: usize) -> Self {
+        let padded_keys = len_kv.div_ceil(KEY_TILE) * KEY_TILE;
+        let row_width = row_width.div_ceil(K::LANES) * K::LANES;
+        Self {
+            panels: vec![0.0; padded_keys * panel_width],
+            rows: Array2::zeros((padded_keys, row_width)),
+            tile_has_nonfinite_rows: vec![false; padded_keys / KEY_TILE],
+        }
+    }
+
+    /// Packs `for_panels` `[len_kv, panel_width]` and `for_rows`
+    /// `[len_kv, row_width]`; padding stays zero from `new`, since every
+    /// head writes the same places.
+    pub(crate) fn pack<K: Kernel>(
+        &mut self,
+        for_panels: ArrayView2<'_, f32>,
+        for_rows: ArrayView2<'_, f32>,
+    ) {
+        let width = for_panels.ncols();
+        let panel = K::KEY_PANEL;
+        // Key j is column j % panel of panel j / panel, a `[width][panel]` block.
+        for (j, key) in for_panels.rows().into_iter().enumerate() {
+            let column = &mut self.panels[(j / panel) * panel * width + j % panel..];
+            for (packed, &x) in column.iter_mut().step_by(panel).zip(key.iter()) {
+                *packed = x;
+            }
+        }
+        self.tile_has_nonfinite_rows.fill(false);
+        for (j, (row, mut packed)) in for_rows
+            .rows()
+            .into_iter()
+            .zip(self.rows.rows_mut())
+            .enumerate()
+        {
+            let packed = packed.as_slice_mut().expect("packed rows are contiguous");
+            match row.as_slice() {
+                Some(row) => packed[..row.len()].copy_from_slice(row),
+                None => packed
+                    .iter_mut()
+                    .zip(row.iter())
+                    .for_each(|(packed, &x)| *packed = x),
+            }
+            if !packed.iter().all(|x| x.is_finite()) {
+                self.tile_has_nonfinite_rows[j / KEY_TILE] = true;
+            }
+        }
+    }
+
+    /// The `panel_width`-wide panels of the key tile starting at `j0`.
+    pub(crate) fn tile_panels(&self, j0: usize, panel_width: usize) -> &[f32] {
+        &self.panels[j0 * panel_width..(j0 + KEY_TILE) * panel_width]
+    }
+}
+
+/// One query head's rows for the backward, packed for the kernels; rows
+/// padded to whole query tiles. Rows that see no key (log-sum-exp `−inf`)
+/// and padding rows are zero, and their log-sum-exp is `−inf`, so they add
+/// nothing anywhere.
+pub(crate) struct QueryRows {
+    /// `scale·q`, `[padded][d_k]` for `scores`, and `[padded][k_width]` as rows.
+    pub(crate) q_scaled: Vec<f32>,
+    pub(crate) q_scaled_rows: Array2<f32>,
+    /// `d_out`, `[padded][d_v]` for `scores`, and `[padded][v_width]` as rows.
+    pub(crate) d_out: Vec<f32>,
+    pub(crate) d_out_rows: Array2<f32>,
+    /// `D_i = Σ_c dO_ic · O_ic`.
+    pub(crate) delta: Vec<f32>,
+    pub(crate) log_sum_exp: Vec<f32>,
+    pub(crate) padded: usize,
+}
+
+impl QueryRows {
+    /// Zeroed buffers for one query head of `shape`.
+    pub(crate) fn new<K: Kernel>(shape: &AttentionShape) -> Self {
+        let (d_k, d_v) = (shape.d_k, shape.d_v);
+        let padded = shape.len_q.div_ceil(QUERY_TILE) * QUERY_TILE;
+        let (k_width, v_width) = (
+            d_k.div_ceil(K::LANES) * K::LANES,
+            d_v.div_ceil(K::LANES) * K::LANES,
+        );
+        QueryRows {
+            q_scaled: vec![0.0; padded * d_k],
+            q_scaled_rows: Array2::zeros((padded, k_width)),
+            d_out: vec![0.0; padded * d_v],
+            d_out_rows: Array2::zeros((padded, v_width)),
+            delta: vec![0.0; padded],
+            log_sum_exp: vec![f32::NEG_INFINITY; padded],
+            padded,
+        }
+    }
+
+    /// Packs query head `h` of batch item `b`. Every real row is written
+    /// (zeros for rows that see no key); padding rows stay as `new` made
+    /// them, so the buffers serve head after head.
+    pub(crate) fn fill(&mut self, call: &BackwardCall<'_, f32>, b: usize, h: usize) {
+        let (d_k, d_v) = (call.forward.shape.d_k, call.forward.shape.d_v);
+        let scale = call.forward.scale;
+        let (q, out, d_out) = (
+            head(&call.forward.q, b, h),
+            head(&call.out, b, h),
+            head(&call.d_out, b, h),
+        );
+        let lse = call
+            .log_sum_exp
+            .index_axis(Axis(0), b)
+            .index_axis_move(Axis(0), h);
+        let rows = q
+            .rows()
+            .into_iter()
+            .zip(out.rows())
+            .zip(d_out.rows())
+            .zip(&lse)
+            .zip(self.q_scaled.chunks_exact_mut(d_k))
+            .zip(self.q_scaled_rows.rows_mut())
+            .zip(self.d_out.chunks_exact_mut(d_v))
+            .zip(self.d_out_rows.rows_mut())
+            .zip(self.delta.iter_mut().zip(self.log_sum_exp.iter_mut()));
+        for (
+            (((((((q, out), d_out), &lse), q_scaled), mut q_row), d_out_packed), mut d_out_row),
+            (delta, lse_packed),
+        ) in rows
+        {
+            // Rows that see no key are zero, whatever q and d_out hold there.
+            let sees_keys = lse != f32::NEG_INFINITY;
+            *lse_packed = lse;
+            copy_scaled(q_scaled, q, if sees_keys { scale } else { 0.0 });
+            copy_scaled(d_out_packed, d_out, if sees_keys { 1.0 } else { 0.0 });
+            q_row.as_slice_mut().expect("contiguous")[..d_k].copy_from_slice(q_scaled);
+            d_out_row.as_slice_mut().expect("contiguous")[..d_v].copy_from_slice(d_out_packed);
+            *delta = if sees_keys {
+                d_out_packed
+                    .iter()
+                    .zip(out.iter())
+                    .map(|(&g, &o)| g * o)
+                    .sum()
+            } else {
+                0.0
+            };
+        }
+    }
+}
+
+/// `to[c] = factor · from[c]`, on slices when `from` is contiguous. A zero
+/// factor writes zeros even where `from` holds NaN.
+fn copy_scaled(to: &mut [f32], from: ArrayView1<'_, f32>, factor: f32) {
+    if factor == 0.0 {
+        to.fill(0.0);
+        return;
+    }
+    match from.as_slice() {
+        Some(from) => to.iter_mut().zip(from).for_each(|(t, &x)| *t = factor * x),
+        None => to
+            .iter_mut()
+            .zip(from.iter())
+            .for_each(|(t, &x)| *t = factor * x),
+    }
+}

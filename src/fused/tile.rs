@@ -1,0 +1,272 @@
+//! One query tile against a run of key tiles: the online softmax of the
+//! forward (`QueryTile::attend`, written once for every key source), and
+//! the pieces the forward and backward share per score tile: which key
+//! tiles a query tile sees (`TileSpan`), the bias, the element-wise mask,
+//! and the zero-skipping `P·V` for tiles whose values are not all finite.
+
+use std::ops::Range;
+
+use ndarray::{ArrayView2, ArrayViewMut1, ArrayViewMut2};
+
+use super::KEY_TILE;
+use crate::call::{AttentionShape, Call};
+use crate::mask::broadcast;
+use crate::simd::Kernel;
+
+/// Where a query tile sits: batch item, head, first row and row count.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TilePosition {
+    pub(crate) b: usize,
+    pub(crate) h: usize,
+    pub(crate) i0: usize,
+    pub(crate) rows: usize,
+}
+
+/// The visible key ranges of a query tile's rows, summed up: the key tiles
+/// any row can see, and the span every row sees (tiles inside it need no
+/// element-wise mask).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TileSpan {
+    pub(crate) min_start: usize,
+    pub(crate) max_start: usize,
+    pub(crate) min_end: usize,
+    pub(crate) max_end: usize,
+}
+
+impl TileSpan {
+    pub(crate) fn of(at: &TilePosition, call: &Call<'_, f32>) -> Self {
+        let mut span = TileSpan {
+            min_start: usize::MAX,
+            max_start: 0,
+            min_end: usize::MAX,
+            max_end: 0,
+        };
+        for i in at.i0..at.i0 + at.rows {
+            let range = call.visible_range(at.b, i);
+            span.min_start = span.min_start.min(range.start);
+            span.max_start = span.max_start.max(range.start);
+            span.min_end = span.min_end.min(range.end);
+            span.max_end = span.max_end.max(range.end);
+        }
+        span
+    }
+
+    /// Whether some row sees some key of the tile starting at `j0`.
+    pub(crate) fn sees_tile(&self, j0: usize) -> bool {
+        self.max_end > j0 && self.min_start < j0 + KEY_TILE
+    }
+
+    /// Whether the key tile at `j0` needs the element-wise mask: a keep
+    /// mask, or a row's range (or the end of the keys) cutting through it.
+    pub(crate) fn needs_mask(&self, j0: usize, call: &Call<'_, f32>) -> bool {
+        call.opts.keep_mask.is_some() || j0 + KEY_TILE > self.min_end || j0 < self.max_start
+    }
+}
+
+/// Adds the bias, if any, to the scores (row stride `KEY_TILE`) of the
+/// tile's real rows and keys.
+pub(crate) fn add_bias(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call<'_, f32>) {
+    if call.opts.bias.is_none() {
+        return;
+    }
+    let j1 = (j0 + KEY_TILE).min(call.shape.len_kv);
+    let offset = call.key_offset();
+    for r in 0..at.rows {
+        let Some(bias_row) = call.bias_row(at.b, at.h, at.i0 + r) else {
+            return;
+        };
+        let scores = &mut scores[r * KEY_TILE..][..j1 - j0];
+        for (j, score) in (j0..j1).zip(scores) {
+            *score += bias_row[broadcast(bias_row.len(), offset + j)];
+        }
+    }
+}
+
+/// Sets the scores (row stride `KEY_TILE`) of keys a row may not see, and
+/// of padding keys, to `−inf`.
+pub(crate) fn mask(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call<'_, f32>) {
+    for r in 0..at.rows {
+        let visible = call.visible_keys(at.b, at.h, at.i0 + r);
+        let scores = &mut scores[r * KEY_TILE..][..KEY_TILE];
+        for (j, score) in (j0..).zip(scores) {
+            if !visible.contains(j) {
+                *score = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` term by term for the
+/// `alpha.len()` rows, skipping zero weights so that a NaN or infinite
+/// value of a masked key cannot turn into `0·NaN`. `o` has rows of
+/// `o.len() / rows` numbers.
+pub(crate) fn accumulate_skipping_zero_weights(
+    p: ArrayView2<'_, f32>,
+    values: ArrayView2<'_, f32>,
+    alpha: &[f32],
+    o: &mut [f32],
+) {
+    if alpha.is_empty() {
+        return;
+    }
+    let width = o.len() / alpha.len();
+    for (r, o) in o.chunks_exact_mut(width).enumerate() {
+        o.iter_mut().for_each(|x| *x *= alpha[r]);
+        for (j, value) in values.rows().into_iter().enumerate() {
+            let weight = p[[r, j]];
+            if weight != 0.0 {
+                for (x, &v) in o.iter_mut().zip(value) {
+                    *x += weight * v;
+                }
+            }
+        }
+    }
+}
+
+/// Where a query tile's key and value tiles come from: one head packed for
+/// the register-tiled kernels (prefill, `forward.rs`), or its rows read in
+/// place (decode, `decode.rs`). The online softmax is the same for both.
+pub(crate) trait KeySource {
+    /// Rows the scores kernel computes for a tile of `rows` real rows.
+    fn computed_rows<K: Kernel>(rows: usize) -> usize;
+
+    /// `S = q·K_tᵀ` for the key tile starting at `j0`, into `scores`
+    /// (row stride `KEY_TILE`); `q` holds the computed rows, `d_k` each.
+    fn scores<K: Kernel>(&self, kernel: K, q: &[f32], d_k: usize, j0: usize, scores: &mut [f32]);
+
+    /// The value rows of the key tile starting at `j0` (whole tiles but at
+    /// the end of a source read in place), and whether `P·V` must skip zero
+    /// weights because one of them is not finite. `masked` says whether the
+    /// tile was masked element-wise.
+    fn values(&self, j0: usize, masked: bool) -> (ArrayView2<'_, f32>, bool);
+}
+
+/// The buffers of one query tile, reused from tile to tile.
+pub(crate) struct QueryTile {
+    /// Scaled query rows `[computed rows][d_k]`.
+    q: Vec<f32>,
+    /// Scores, then weights, `[computed rows][KEY_TILE]`.
+    scores: Vec<f32>,
+    /// Unnormalised output `[computed rows][value_width]`.
+    o: Vec<f32>,
+    /// Running row max `m`, running sum `ℓ`, and this step's rescale `α`.
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    alpha: Vec<f32>,
+    value_width: usize,
+}
+
+impl QueryTile {
+    /// Buffers for tiles of up to `rows` query rows.
+    pub(crate) fn new<K: Kernel>(shape: &AttentionShape, rows: usize) -> Self {
+        let rows = rows.div_ceil(K::ROWS) * K::ROWS;
+        let value_width = shape.d_v.div_ceil(K::LANES) * K::LANES;
+        Self {
+            q: vec![0.0; rows * shape.d_k],
+            scores: vec![0.0; rows * KEY_TILE],
+            o: vec![0.0; rows * value_width],
+            max: vec![0.0; rows],
+            sum: vec![0.0; rows],
+            alpha: vec![0.0; rows],
+            value_width,
+        }
+    }
+
+    /// Runs the query tile `at` over every key tile in `keys` (whole tiles
+    /// but at `len_kv`) it can see, leaving the unnormalised output in `o`,
+    /// the row maxima in `max` and the row sums in `sum`.
+    pub(crate) fn attend<K: Kernel, S: KeySource>(
+        &mut self,
+        kernel: K,
+        call: &Call<'_, f32>,
+        at: &TilePosition,
+        source: &S,
+        keys: Range<usize>,
+    ) {
+        let d_k = call.shape.d_k;
+        let rows = S::computed_rows::<K>(at.rows);
+        self.load_queries(call, at, rows);
+        let span = TileSpan::of(at, call);
+
+        self.max[..rows].fill(f32::NEG_INFINITY);
+        self.sum[..rows].fill(0.0);
+        self.o[..rows * self.value_width].fill(0.0);
+        let width = self.value_width;
+        let first_tile = span.min_start.max(keys.start) / KEY_TILE;
+        let end_tile = span.max_end.min(keys.end).div_ceil(KEY_TILE);
+        for t in first_tile..end_tile {
+            let j0 = t * KEY_TILE;
+            let scores = &mut self.scores[..rows * KEY_TILE];
+            source.scores(kernel, &self.q[..rows * d_k], d_k, j0, scores);
+            add_bias(scores, at, j0, call);
+            let masked = span.needs_mask(j0, call);
+            if masked {
+                mask(scores, at, j0, call);
+            }
+            kernel.softmax_rows(
+                scores,
+                KEY_TILE,
+                KEY_TILE,
+                &mut self.max[..rows],
+                &mut self.sum[..rows],
+                &mut self.alpha[..rows],
+            );
+            let (values, nonfinite) = source.values(j0, masked);
+            let p = ArrayView2::from_shape((rows, KEY_TILE), &self.scores[..rows * KEY_TILE])
+                .expect("a whole tile");
+            let (alpha, o) = (&self.alpha[..rows], &mut self.o[..rows * width]);
+            if nonfinite {
+                accumulate_skipping_zero_weights(p, values, alpha, o);
+            } else {
+                kernel.accumulate_values(p, values, width, alpha, o);
+            }
+        }
+    }
+
+    /// Copies the tile's query rows, times the scale, into `q`; padding
+    /// rows up to `rows` are zero. Scaling Q once costs `len_q·d_k`
+    /// multiplies instead of `len_q·len_kv`.
+    fn load_queries(&mut self, call: &Call<'_, f32>, at: &TilePosition, rows: usize) {
+        let d_k = call.shape.d_k;
+        let q_head = crate::call::head(&call.q, at.b, at.h);
+        self.q[..rows * d_k].fill(0.0);
+        for (query, packed) in q_head
+            .rows()
+            .into_iter()
+            .skip(at.i0)
+            .take(at.rows)
+            .zip(self.q.chunks_exact_mut(d_k))
+        {
+            for (packed, &x) in packed.iter_mut().zip(query.iter()) {
+                *packed = call.scale * x;
+            }
+        }
+    }
+
+    /// Writes `O / ℓ` for the tile's rows into `out_tile`, and `m + ln ℓ`
+    /// into `log_sum_exp`; rows that saw no key (ℓ = 0) get zeros and `−inf`.
+    pub(crate) fn write_output(
+        &self,
+        at: &TilePosition,
+        out_tile: &mut ArrayViewMut2<'_, f32>,
+        log_sum_exp: Option<ArrayViewMut1<'_, f32>>,
+    ) {
+        if let Some(mut log_sum_exp) = log_sum_exp {
+            for (r, lse) in log_sum_exp.iter_mut().enumerate() {
+                *lse = if self.sum[r] > 0.0 {
+                    self.max[r] + self.sum[r].ln()
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+        }
+        for r in 0..at.rows {
+            let sum = self.sum[r];
+            let o = &self.o[r * self.value_width..];
+            let mut out_row = out_tile.row_mut(r);
+            for (y, &x) in out_row.iter_mut().zip(o) {
+                *y = if sum > 0.0 { x / sum } else { 0.0 };
+            }
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! [`AttentionGradients`], what a backward pass returns, and the mutable
+//! views a backward path writes them through.
+
+use ndarray::{Array4, ArrayViewMut4};
+
+use crate::call::Call;
+use crate::element::Element;
+
+/// The gradients of a scalar loss `L` with respect to the inputs of an
+/// attention call, from
+/// [`scaled_dot_product_attention_backward`](crate::scaled_dot_product_attention_backward).
+///
+/// Each array has the shape of the input it is the gradient of. With
+/// grouped-query attention, `d_k` and `d_v` of a key/value head are summed
+/// over the query heads that share it; `d_bias` is summed over the
+/// dimensions in which the bias broadcasts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionGradients<F> {
+    /// `∂L/∂q`, `[batch, heads, len_q, d_k]`.
+    pub d_q: Array4<F>,
+    /// `∂L/∂k`, `[batch, kv_heads, len_kv, d_k]`.
+    pub d_k: Array4<F>,
+    /// `∂L/∂v`, `[batch, kv_heads, len_kv, d_v]`.
+    pub d_v: Array4<F>,
+    /// `∂L/∂bias`, in the shape the bias was given in (each dimension the
+    /// full size or 1), when the options had a bias; `None` otherwise.
+    pub d_bias: Option<Array4<F>>,
+}
+
+impl<F: Element> AttentionGradients<F> {
+    /// Zero gradients shaped like the call's `q`, `k`, `v` and bias.
+    pub(crate) fn zeros(call: &Call<'_, F>) -> Self {
+        AttentionGradients {
+            d_q: Array4::zeros(call.q.raw_dim()),
+            d_k: Array4::zeros(call.k.raw_dim()),
+            d_v: Array4::zeros(call.v.raw_dim()),
+            d_bias: call
+                .opts
+                .bias
+                .as_ref()
+                .map(|bias| Array4::zeros(bias.raw_dim())),
+        }
+    }
+
+    /// Views to write every gradient through.
+    pub(crate) fn view_mut(&mut self) -> GradientsViewMut<'_, F> {
+        GradientsViewMut {
+            d_q: self.d_q.view_mut(),
+            d_k: self.d_k.view_mut(),
+            d_v: self.d_v.view_mut(),
+            d_bias: self.d_bias.as_mut().map(|d_bias| d_bias.view_mut()),
+        }
+    }
+}
+
+/// Mutable views of the gradients a backward pass writes; `d_bias` has the
+/// bias's own (broadcast) shape.
+pub(crate) struct GradientsViewMut<'a, F> {
+    pub d_q: ArrayViewMut4<'a, F>,
+    pub d_k: ArrayViewMut4<'a, F>,
+    pub d_v: ArrayViewMut4<'a, F>,
+    pub d_bias: Option<ArrayViewMut4<'a, F>>,
+}
