@@ -10,6 +10,7 @@ use ndarray::{
     ArrayBase, ArrayView2, ArrayView3, ArrayView4, ArrayViewMut2, Axis, Data, DataMut, Ix4,
 };
 
+use crate::alloc;
 use crate::element::Element;
 use crate::error::{AttentionError, ErrorKind, shape_error};
 use crate::options::AttentionOptions;
@@ -81,13 +82,28 @@ pub(crate) fn check<'a, F: Element>(
     let shape = check_shapes(q.shape(), k.shape(), v.shape())?;
     let layouts = || describe(q.shape(), k.shape(), v.shape());
     let total_len_kv = match opts.key_shard {
-        Some(shard) if shard.offset + shape.len_kv > shard.total_len_kv => {
+        Some(shard) if shard.total_len_kv > isize::MAX as usize => {
             return Err(AttentionError::new(
                 ErrorKind::InvalidOption,
                 format!(
-                    "key_shard: keys {}..{} do not fit in total_len_kv = {}: {}",
+                    "key_shard: total_len_kv = {} is past isize::MAX: {}",
+                    shard.total_len_kv,
+                    layouts()
+                ),
+            ));
+        }
+        Some(shard)
+            if shard
+                .offset
+                .checked_add(shape.len_kv)
+                .is_none_or(|end| end > shard.total_len_kv) =>
+        {
+            return Err(AttentionError::new(
+                ErrorKind::InvalidOption,
+                format!(
+                    "key_shard: {} keys from offset {} do not fit in total_len_kv = {}: {}",
+                    shape.len_kv,
                     shard.offset,
-                    shard.offset + shape.len_kv,
                     shard.total_len_kv,
                     layouts()
                 ),
@@ -136,6 +152,10 @@ pub(crate) fn check<'a, F: Element>(
             "window must be at least 1 key, got 0",
         ));
     }
+    // Every result has this many elements or fewer per head dimension; a
+    // view with huge broadcast lengths could describe more than fits.
+    let (b, h, l, d) = shape.output_dim();
+    alloc::element_count::<F>("the output", &[b, h, l, d])?;
     let scale = match opts.scale {
         Some(s) if !s.is_finite() => {
             return Err(AttentionError::new(

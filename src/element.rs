@@ -18,7 +18,8 @@ pub(crate) mod sealed {
 
     /// Keeps [`Element`](super::Element) to the types the crate has paths for,
     /// and routes each to its fastest path.
-    /// The `Err` is for a kernel set this CPU cannot run.
+    /// The `Err` is for a kernel set this CPU cannot run, or a working
+    /// buffer that cannot be allocated.
     pub trait Sealed: Sized {
         /// Computes attention into `out` (of the output's shape), and each
         /// row's log-sum-exp into `log_sum_exp` when given.
@@ -60,16 +61,14 @@ pub(crate) mod sealed {
             out: ArrayViewMut4<'_, f64>,
             log_sum_exp: Option<ArrayViewMut3<'_, f64>>,
         ) -> Result<(), AttentionError> {
-            crate::core::forward::forward(call, out, log_sum_exp);
-            Ok(())
+            crate::core::forward::forward(call, out, log_sum_exp)
         }
 
         fn backward(
             call: &BackwardCall<'_, f64>,
             gradients: GradientsViewMut<'_, f64>,
         ) -> Result<(), AttentionError> {
-            crate::core::backward::backward(call, gradients);
-            Ok(())
+            crate::core::backward::backward(call, gradients)
         }
     }
 }

@@ -24,6 +24,13 @@ pub enum ErrorKind {
     InvalidOption,
     /// A requested kernel set is unknown or not supported by this CPU.
     UnsupportedKernel,
+    /// A result or working buffer would have more elements or bytes than
+    /// this machine can address (the message names the shape); typically
+    /// broadcast views whose lengths are far larger than their memory.
+    TooLarge,
+    /// Allocating a result or working buffer failed (the message names the
+    /// size): the call needs more memory than is available.
+    OutOfMemory,
 }
 
 /// Bad input to an attention call: the kind, and a message naming the

@@ -3,8 +3,10 @@
 
 use ndarray::{Array4, ArrayViewMut4};
 
+use crate::alloc::try_zeros;
 use crate::call::Call;
 use crate::element::Element;
+use crate::error::AttentionError;
 
 /// The gradients of a scalar loss `L` with respect to the inputs of an
 /// attention call, from
@@ -29,17 +31,16 @@ pub struct AttentionGradients<F> {
 
 impl<F: Element> AttentionGradients<F> {
     /// Zero gradients shaped like the call's `q`, `k`, `v` and bias.
-    pub(crate) fn zeros(call: &Call<'_, F>) -> Self {
-        AttentionGradients {
-            d_q: Array4::zeros(call.q.raw_dim()),
-            d_k: Array4::zeros(call.k.raw_dim()),
-            d_v: Array4::zeros(call.v.raw_dim()),
-            d_bias: call
-                .opts
-                .bias
-                .as_ref()
-                .map(|bias| Array4::zeros(bias.raw_dim())),
-        }
+    pub(crate) fn zeros(call: &Call<'_, F>) -> Result<Self, AttentionError> {
+        Ok(AttentionGradients {
+            d_q: try_zeros("d_q", call.q.raw_dim())?,
+            d_k: try_zeros("d_k", call.k.raw_dim())?,
+            d_v: try_zeros("d_v", call.v.raw_dim())?,
+            d_bias: match &call.opts.bias {
+                Some(bias) => Some(try_zeros("d_bias", bias.raw_dim())?),
+                None => None,
+            },
+        })
     }
 
     /// Views to write every gradient through.

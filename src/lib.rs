@@ -8,6 +8,7 @@
 // `element` (which path a type runs) → `fused` over `simd`, or `core`.
 // `options`, `mask`, `gradients`, `partial`, `parallel` and `error` sit
 // below both paths.
+mod alloc;
 mod attention;
 mod call;
 pub mod core;
@@ -74,7 +75,7 @@ pub fn scaled_dot_product_attention<F: Element>(
     opts: &AttentionOptions<'_, F>,
 ) -> Result<Array4<F>, AttentionError> {
     let call = call::check(&q, &k, &v, opts)?;
-    let mut out = Array4::zeros(call.shape.output_dim());
+    let mut out = alloc::try_zeros("the output", call.shape.output_dim())?;
     F::forward(&call, out.view_mut(), None)?;
     Ok(out)
 }
@@ -143,7 +144,7 @@ pub fn scaled_dot_product_attention_partial<F: Element>(
     opts: &AttentionOptions<'_, F>,
 ) -> Result<AttentionPartial<F>, AttentionError> {
     let call = call::check(&q, &k, &v, opts)?;
-    let mut partial = AttentionPartial::zeros(call.shape.output_dim());
+    let mut partial = AttentionPartial::zeros(call.shape.output_dim())?;
     let (output, log_sum_exp) = partial.parts_mut();
     F::forward(&call, output, Some(log_sum_exp))?;
     Ok(partial)
@@ -195,7 +196,7 @@ pub fn scaled_dot_product_attention_backward<F: Element>(
     d_out: ArrayView4<'_, F>,
 ) -> Result<AttentionGradients<F>, AttentionError> {
     let call = call::check_backward(call::check(&q, &k, &v, opts)?, forward, &d_out)?;
-    let mut gradients = AttentionGradients::zeros(&call.forward);
+    let mut gradients = AttentionGradients::zeros(&call.forward)?;
     F::backward(&call, gradients.view_mut())?;
     Ok(gradients)
 }

@@ -6,11 +6,22 @@
 //! causal rule and window allow it, `j` is below the batch item's key
 //! length, and the keep mask (if any) says `true`. The first three give a
 //! contiguous range ([`Call::visible_range`]); the keep mask is checked
-//! inside it ([`VisibleKeys::contains`]).
+//! inside it ([`VisibleKeys::contains`]). A bias of `−inf` hides a key
+//! too, by selection ([`biased`]).
+//!
+//! What a row's result is when its visible scores are not all finite:
+//! - no visible key, or every visible key hidden by a `−inf` bias: zeros,
+//!   log-sum-exp `−inf` (the row saw nothing);
+//! - a visible score that is NaN or `+inf` (from a non-finite query, key or
+//!   bias, or a product that overflowed): NaN, through the softmax;
+//! - every visible, unhidden score `−inf` (a non-finite input or a product
+//!   that overflowed towards `−inf`): NaN too, never the zeros of a row
+//!   that saw nothing ([`Call::has_unhidden_key`] tells the two apart).
 
 use std::ops::Range;
 
 use ndarray::{ArrayView1, ArrayView4, Axis};
+use num_traits::Float;
 
 use crate::call::Call;
 use crate::options::CausalAlignment;
@@ -40,6 +51,18 @@ impl VisibleKeys<'_> {
                 .keep
                 .as_ref()
                 .is_none_or(|row| row[broadcast(row.len(), self.key_offset + j)])
+    }
+}
+
+/// `score + bias`, except that a `−inf` bias hides the key whatever its
+/// score (even NaN): the result is then `−inf`, which the softmax turns
+/// into a weight of exactly 0.
+#[inline]
+pub(crate) fn biased<F: Float>(score: F, bias: F) -> F {
+    if bias == F::neg_infinity() {
+        bias
+    } else {
+        score + bias
     }
 }
 
@@ -80,12 +103,14 @@ impl<F: Copy> Call<'_, F> {
             .key_shard
             .map_or(len_kv_local, |shard| shard.total_len_kv);
         // One past the last key the query may see under the causal rule
-        // (its diagonal), before clamping to the keys there are.
+        // (its diagonal), before clamping to the keys there are. With
+        // i < len_q, neither form overflows for any len_kv.
         let diagonal_end = match opts.causal {
             None => len_kv,
             Some(CausalAlignment::TopLeft) => i + 1,
             // j ≤ i + len_kv − len_q, i.e. j < i + 1 + len_kv − len_q, clamped at 0.
-            Some(CausalAlignment::BottomRight) => (i + 1 + len_kv).saturating_sub(len_q),
+            Some(CausalAlignment::BottomRight) if len_kv >= len_q => i + 1 + (len_kv - len_q),
+            Some(CausalAlignment::BottomRight) => (i + 1).saturating_sub(len_q - len_kv),
         };
         let start = match opts.window {
             Some(window) => diagonal_end.saturating_sub(window),
@@ -112,6 +137,25 @@ impl<F: Copy> Call<'_, F> {
                 .as_ref()
                 .map(|mask| broadcast_row(mask, b, h, i)),
         }
+    }
+
+    /// Whether query `i` of batch item `b`, head `h` has a visible key in
+    /// `keys` that a `−inf` bias does not hide. When every visible score of
+    /// such a row comes out `−inf`, a non-finite input or an overflowing
+    /// product is to blame, and the row's result is NaN rather than zeros.
+    pub(crate) fn has_unhidden_key(&self, b: usize, h: usize, i: usize, keys: Range<usize>) -> bool
+    where
+        F: Float,
+    {
+        let visible = self.visible_keys(b, h, i);
+        let bias = self.bias_row(b, h, i);
+        let offset = self.key_offset();
+        (visible.start.max(keys.start)..visible.end.min(keys.end)).any(|j| {
+            visible.contains(j)
+                && bias
+                    .as_ref()
+                    .is_none_or(|bias| bias[broadcast(bias.len(), offset + j)] != F::neg_infinity())
+        })
     }
 
     /// The bias row of query `i` of batch item `b`, head `h` (indexed like a

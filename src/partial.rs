@@ -50,12 +50,12 @@ pub struct AttentionPartial<F> {
 
 impl<F: Element> AttentionPartial<F> {
     /// Zero output and log-sum-exp of the given shape, to be written.
-    pub(crate) fn zeros(output_dim: (usize, usize, usize, usize)) -> Self {
+    pub(crate) fn zeros(output_dim: (usize, usize, usize, usize)) -> Result<Self, AttentionError> {
         let (b, h, l, _) = output_dim;
-        Self {
-            output: Array4::zeros(output_dim),
-            log_sum_exp: Array3::zeros((b, h, l)),
-        }
+        Ok(Self {
+            output: crate::alloc::try_zeros("the output", output_dim)?,
+            log_sum_exp: crate::alloc::try_zeros("the log-sum-exp", (b, h, l))?,
+        })
     }
 
     /// Both arrays, to be written by a forward path.

@@ -32,11 +32,12 @@
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, ArrayView2, ArrayView4, ArrayViewMut2, ArrayViewMut4};
 
+use crate::alloc::try_zeros;
 use crate::call::{self, BackwardCall, head, head_mut};
 use crate::element::Element;
 use crate::error::AttentionError;
 use crate::gradients::{AttentionGradients, GradientsViewMut};
-use crate::mask::broadcast;
+use crate::mask::{biased, broadcast};
 use crate::options::AttentionOptions;
 use crate::partial::AttentionPartial;
 
@@ -122,14 +123,20 @@ pub fn scaled_dot_product_attention_backward<F: Element>(
     d_out: ArrayView4<'_, F>,
 ) -> Result<AttentionGradients<F>, AttentionError> {
     let call = call::check_backward(call::check(&q, &k, &v, opts)?, forward, &d_out)?;
-    let mut gradients = AttentionGradients::zeros(&call.forward);
-    backward(&call, gradients.view_mut());
+    let mut gradients = AttentionGradients::zeros(&call.forward)?;
+    backward(&call, gradients.view_mut())?;
     Ok(gradients)
 }
 
 /// The reference backward on a checked call; overwrites every gradient in
 /// `gradients`, which have the shapes of `q`, `k`, `v` and the bias.
-pub(crate) fn backward<F: Element>(call: &BackwardCall<'_, F>, gradients: GradientsViewMut<'_, F>) {
+///
+/// # Errors
+/// When the per-head `[len_q, len_kv]` matrices cannot be allocated.
+pub(crate) fn backward<F: Element>(
+    call: &BackwardCall<'_, F>,
+    gradients: GradientsViewMut<'_, F>,
+) -> Result<(), AttentionError> {
     let BackwardCall {
         forward,
         out,
@@ -152,8 +159,9 @@ pub(crate) fn backward<F: Element>(call: &BackwardCall<'_, F>, gradients: Gradie
     if let Some(d_bias) = d_bias.as_mut() {
         d_bias.fill(F::zero());
     }
-    let mut probabilities = Array2::zeros((shape.len_q, shape.len_kv));
-    let mut d_scores = Array2::zeros((shape.len_q, shape.len_kv));
+    let scores_dim = (shape.len_q, shape.len_kv);
+    let mut probabilities: Array2<F> = try_zeros("the backward's weights", scores_dim)?;
+    let mut d_scores: Array2<F> = try_zeros("the backward's score gradients", scores_dim)?;
     for b in 0..shape.batch {
         for h in 0..shape.heads {
             let kv_h = shape.kv_head(h);
@@ -186,7 +194,9 @@ pub(crate) fn backward<F: Element>(call: &BackwardCall<'_, F>, gradients: Gradie
                 for (j, (p, ds)) in p_row.iter_mut().zip(ds_row.iter_mut()).enumerate() {
                     *p = if visible.contains(j) {
                         let score = match &bias {
-                            Some(bias) => *p + bias[broadcast(bias.len(), visible.key_offset + j)],
+                            Some(bias) => {
+                                biased(*p, bias[broadcast(bias.len(), visible.key_offset + j)])
+                            }
                             None => *p,
                         };
                         (score - lse).exp()
@@ -232,6 +242,7 @@ pub(crate) fn backward<F: Element>(call: &BackwardCall<'_, F>, gradients: Gradie
             }
         }
     }
+    Ok(())
 }
 
 /// `c = alpha·a·b + beta·c` (`beta` is 0 or 1), where a zero entry of `a`

@@ -2,43 +2,72 @@
 //! matrix product, a softmax per row by selection, and the weighted sum of
 //! the values as a second product.
 
+use std::ops::Range;
+
+// Slices by `slice_axis`: `s!` expands to an `#[allow(unsafe_code)]`, which
+// `core`'s `#![forbid(unsafe_code)]` rejects.
 use ndarray::linalg::general_mat_mul;
 use ndarray::{
-    Array2, ArrayView2, ArrayViewMut1, ArrayViewMut2, ArrayViewMut3, ArrayViewMut4, Axis,
+    ArrayView2, ArrayViewMut1, ArrayViewMut2, ArrayViewMut3, ArrayViewMut4, Axis, Slice,
 };
 
+use crate::alloc::try_zeros;
 use crate::call::{Call, head, head_mut};
 use crate::element::Element;
-use crate::mask::{VisibleKeys, broadcast};
+use crate::error::AttentionError;
+use crate::mask::{VisibleKeys, biased, broadcast};
+
+/// Weights held at once per head, in elements: the reference computes a
+/// block of query rows at a time, so its memory is bounded (8 MiB in `f64`)
+/// whatever the sequence length.
+const WEIGHT_BLOCK_ELEMENTS: usize = 1 << 20;
 
 /// The reference computation on a checked call; also writes each row's
 /// log-sum-exp of its scaled, biased, visible scores into `log_sum_exp`
 /// (`[batch, heads, len_q]`) when given.
+///
+/// # Errors
+/// When a block of weights cannot be allocated.
 pub(crate) fn forward<F: Element>(
     call: &Call<'_, F>,
     mut out: ArrayViewMut4<'_, F>,
     mut log_sum_exp: Option<ArrayViewMut3<'_, F>>,
-) {
+) -> Result<(), AttentionError> {
     let shape = call.shape;
-    let mut weights = Array2::zeros((shape.len_q, shape.len_kv));
+    let block_rows = (WEIGHT_BLOCK_ELEMENTS / shape.len_kv.max(1)).clamp(1, shape.len_q.max(1));
+    let mut block = try_zeros("a block of attention weights", (block_rows, shape.len_kv))?;
     for b in 0..shape.batch {
         for h in 0..shape.heads {
-            let lse = log_sum_exp
-                .as_mut()
-                .map(|lse| lse.index_axis_mut(Axis(0), b).index_axis_move(Axis(0), h));
-            head_weights(call, b, h, weights.view_mut(), lse);
             let vh = head(&call.v, b, shape.kv_head(h));
-            weighted_values(weights.view(), vh, head_mut(&mut out, b, h));
+            let mut out_h = head_mut(&mut out, b, h);
+            for i0 in (0..shape.len_q).step_by(block_rows) {
+                let rows = i0..(i0 + block_rows).min(shape.len_q);
+                let mut weights = block.slice_axis_mut(Axis(0), Slice::from(..rows.len()));
+                let lse = log_sum_exp.as_mut().map(|lse| {
+                    lse.index_axis_mut(Axis(0), b)
+                        .index_axis_move(Axis(0), h)
+                        .slice_axis_move(Axis(0), Slice::from(rows.clone()))
+                });
+                rows_weights(call, b, h, rows.clone(), weights.view_mut(), lse);
+                weighted_values(
+                    weights.view(),
+                    vh,
+                    out_h.slice_axis_mut(Axis(0), Slice::from(rows)),
+                );
+            }
         }
     }
+    Ok(())
 }
 
-/// The weights `[len_q, len_kv]` of batch item `b`, head `h` into
-/// `weights`, and each row's log-sum-exp into `log_sum_exp` when given.
-pub(crate) fn head_weights<F: Element>(
+/// The weights of query rows `rows` of batch item `b`, head `h` against
+/// every key, `[rows, len_kv]`, into `weights`, and each row's log-sum-exp
+/// into `log_sum_exp` when given.
+pub(crate) fn rows_weights<F: Element>(
     call: &Call<'_, F>,
     b: usize,
     h: usize,
+    rows: Range<usize>,
     mut weights: ArrayViewMut2<'_, F>,
     mut log_sum_exp: Option<ArrayViewMut1<'_, F>>,
 ) {
@@ -47,38 +76,54 @@ pub(crate) fn head_weights<F: Element>(
     // Scores of masked keys are computed too (a matrix product cannot skip
     // them); `softmax_row` then discards them by selection, so NaN or inf
     // there does no harm.
-    general_mat_mul(call.scale, &qh, &kh.t(), F::zero(), &mut weights);
-    for (i, row) in weights.rows_mut().into_iter().enumerate() {
+    let q_rows = qh.slice_axis(Axis(0), Slice::from(rows.clone()));
+    general_mat_mul(call.scale, &q_rows, &kh.t(), F::zero(), &mut weights);
+    for (r, row) in weights.rows_mut().into_iter().enumerate() {
+        let i = rows.start + r;
         let visible = call.visible_keys(b, h, i);
         let bias = call.bias_row(b, h, i);
         let lse = softmax_row(row, &visible, bias.as_ref());
         if let Some(log_sum_exp) = log_sum_exp.as_mut() {
-            log_sum_exp[i] = lse;
+            log_sum_exp[r] = lse;
         }
     }
 }
 
-/// Turns one row of scaled scores into weights in place: bias added, masked
-/// keys set to exactly 0, the maximum subtracted before `exp`.
-/// A row with no visible key, or only `-inf` scores, becomes all 0.
-/// Returns the log-sum-exp of the visible scores (`-inf` for such a row).
+/// Turns one row of scaled scores into weights in place: bias added,
+/// masked keys (and keys a `−inf` bias hides) set to exactly 0, the maximum
+/// subtracted before `exp`. Returns the log-sum-exp of the visible scores.
+///
+/// A row with no visible key, or whose visible keys a `−inf` bias all
+/// hides, becomes all 0 with log-sum-exp `−inf`. A row with a NaN or `+inf`
+/// visible score, or whose unhidden visible scores are all `−inf` (a
+/// non-finite input or an overflowing product), becomes NaN (see `mask.rs`).
 fn softmax_row<F: Element>(
     mut row: ArrayViewMut1<'_, F>,
     visible: &VisibleKeys<'_>,
     bias: Option<&ndarray::ArrayView1<'_, F>>,
 ) -> F {
     let mut max = F::neg_infinity();
+    let mut unhidden = false;
     for (j, score) in row.iter_mut().enumerate() {
         if visible.contains(j) {
             if let Some(bias) = bias {
-                *score = *score + bias[broadcast(bias.len(), visible.key_offset + j)];
+                let bias = bias[broadcast(bias.len(), visible.key_offset + j)];
+                unhidden |= bias != F::neg_infinity();
+                *score = biased(*score, bias);
+            } else {
+                unhidden = true;
             }
             max = max.max(*score);
         }
     }
     if max == F::neg_infinity() {
-        row.fill(F::zero());
-        return max;
+        let (weight, lse) = if unhidden {
+            (F::nan(), F::nan())
+        } else {
+            (F::zero(), F::neg_infinity())
+        };
+        row.fill(weight);
+        return lse;
     }
     let mut sum = F::zero();
     for (j, score) in row.iter_mut().enumerate() {

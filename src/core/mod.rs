@@ -21,6 +21,7 @@ pub use backward::scaled_dot_product_attention_backward;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
+use crate::alloc::try_zeros;
 use crate::call::{self, head_mut};
 use crate::element::Element;
 use crate::error::AttentionError;
@@ -51,8 +52,8 @@ pub fn scaled_dot_product_attention<F: Element>(
     opts: &AttentionOptions<'_, F>,
 ) -> Result<Array4<F>, AttentionError> {
     let call = call::check(&q, &k, &v, opts)?;
-    let mut out = Array4::zeros(call.shape.output_dim());
-    forward::forward(&call, out.view_mut(), None);
+    let mut out = try_zeros("the output", call.shape.output_dim())?;
+    forward::forward(&call, out.view_mut(), None)?;
     Ok(out)
 }
 
@@ -71,8 +72,7 @@ pub fn scaled_dot_product_attention_into<F: Element>(
 ) -> Result<(), AttentionError> {
     let call = call::check(&q, &k, &v, opts)?;
     call::check_output(&call.shape, out.shape())?;
-    forward::forward(&call, out, None);
-    Ok(())
+    forward::forward(&call, out, None)
 }
 
 /// The attention weights `softmax(Q·Kᵀ·scale + bias, masked)`,
@@ -80,8 +80,12 @@ pub fn scaled_dot_product_attention_into<F: Element>(
 /// query with no visible key. For inspection and pictures.
 ///
 /// # Errors
-/// An [`AttentionError`] when the shapes or options disagree. `k` stands in
-/// for `v` in the checks, so `d_v` is not checked.
+/// An [`AttentionError`] when the shapes or options disagree (`k` stands
+/// in for `v` in the checks, so `d_v` is not checked), and
+/// [`ErrorKind::TooLarge`](crate::ErrorKind::TooLarge) or
+/// [`ErrorKind::OutOfMemory`](crate::ErrorKind::OutOfMemory) when the
+/// `[batch, heads, len_q, len_kv]` weights do not fit in memory. (The
+/// outputs of the other functions never need them whole.)
 ///
 /// ```
 /// use ndarray::Array4;
@@ -100,10 +104,12 @@ pub fn attention_weights<F: Element>(
 ) -> Result<Array4<F>, AttentionError> {
     let call = call::check(&q, &k, &k, opts)?;
     let shape = call.shape;
-    let mut weights = Array4::zeros((shape.batch, shape.heads, shape.len_q, shape.len_kv));
+    let dim = (shape.batch, shape.heads, shape.len_q, shape.len_kv);
+    let mut weights = try_zeros("the attention weights", dim)?;
     for b in 0..shape.batch {
         for h in 0..shape.heads {
-            forward::head_weights(&call, b, h, head_mut(&mut weights, b, h), None);
+            let rows = 0..shape.len_q;
+            forward::rows_weights(&call, b, h, rows, head_mut(&mut weights, b, h), None);
         }
     }
     Ok(weights)

@@ -34,7 +34,9 @@ use ndarray::{Array2, ArrayView2, Axis, s};
 use super::pack::{PackedHead, QueryRows};
 use super::tile::{TilePosition, TileSpan, accumulate_skipping_zero_weights, add_bias, mask};
 use super::{KEY_TILE, QUERY_TILE};
-use crate::call::{BackwardCall, head, head_mut};
+use crate::alloc::try_zeros;
+use crate::call::{AttentionShape, BackwardCall, head, head_mut};
+use crate::error::AttentionError;
 use crate::gradients::GradientsViewMut;
 use crate::mask::broadcast;
 use crate::parallel::map_with;
@@ -58,9 +60,9 @@ struct HeadGradients {
 }
 
 impl WithKernel for Backward<'_, '_, '_> {
-    type Output = ();
+    type Output = Result<(), AttentionError>;
 
-    fn run<K: Kernel>(self, kernel: K) {
+    fn run<K: Kernel>(self, kernel: K) -> Self::Output {
         let Backward { call, gradients } = self;
         let GradientsViewMut {
             mut d_q,
@@ -79,7 +81,7 @@ impl WithKernel for Backward<'_, '_, '_> {
             d_q.fill(0.0);
             d_k.fill(0.0);
             d_v.fill(0.0);
-            return;
+            return Ok(());
         }
         let jobs: Vec<_> = (0..shape.batch)
             .flat_map(|b| (0..shape.kv_heads).map(move |kv_h| (b, kv_h)))
@@ -87,8 +89,15 @@ impl WithKernel for Backward<'_, '_, '_> {
         let results = map_with(
             jobs.clone(),
             || BackwardScratch::new::<K>(&shape),
-            |scratch, (b, kv_h)| head_gradients(kernel, call, scratch, b, kv_h),
+            |scratch, (b, kv_h)| {
+                let scratch = scratch.as_mut().map_err(|error| error.clone())?;
+                head_gradients(kernel, call, scratch, b, kv_h)
+            },
         );
+        let results = results.into_iter().collect::<Result<Vec<_>, _>>()?;
+        // The bias has the whole sequence's columns; this call's key j is
+        // column key_offset + j.
+        let key_offset = call.forward.key_offset();
         // Written in job order, so sums over broadcast bias dimensions are
         // the same for any thread count.
         let group = shape.group();
@@ -104,11 +113,13 @@ impl WithKernel for Backward<'_, '_, '_> {
                         .index_axis_mut(Axis(0), broadcast(shape_bias[0], b))
                         .index_axis_move(Axis(0), broadcast(shape_bias[1], h));
                     for ((i, j), &ds) in d_scores.indexed_iter() {
-                        d_bias_bh[[broadcast(shape_bias[2], i), broadcast(shape_bias[3], j)]] += ds;
+                        let column = broadcast(shape_bias[3], key_offset + j);
+                        d_bias_bh[[broadcast(shape_bias[2], i), column]] += ds;
                     }
                 }
             }
         }
+        Ok(())
     }
 }
 
@@ -119,7 +130,7 @@ fn head_gradients<K: Kernel>(
     buffers: &mut BackwardScratch,
     b: usize,
     kv_h: usize,
-) -> HeadGradients {
+) -> Result<HeadGradients, AttentionError> {
     let forward = &call.forward;
     let shape = forward.shape;
     let (len_q, len_kv, d_k, d_v) = (shape.len_q, shape.len_kv, shape.d_k, shape.d_v);
@@ -135,20 +146,19 @@ fn head_gradients<K: Kernel>(
     let k_width = d_k.div_ceil(K::LANES) * K::LANES;
     let v_width = d_v.div_ceil(K::LANES) * K::LANES;
     let padded_keys = len_kv.div_ceil(KEY_TILE) * KEY_TILE;
-    let mut d_k_acc = Array2::<f32>::zeros((padded_keys, k_width));
-    let mut d_v_acc = Array2::<f32>::zeros((padded_keys, v_width));
+    let mut d_k_acc: Array2<f32> = try_zeros("d_k", (padded_keys, k_width))?;
+    let mut d_v_acc: Array2<f32> = try_zeros("d_v", (padded_keys, v_width))?;
 
     let group = shape.group();
     let mut d_q = Vec::with_capacity(group);
     let mut d_scores = Vec::with_capacity(group);
     for h in kv_h * group..(kv_h + 1) * group {
         rows.fill(call, b, h);
-        let mut d_q_acc = Array2::<f32>::zeros((rows.padded, k_width));
-        let mut d_scores_h = forward
-            .opts
-            .bias
-            .as_ref()
-            .map(|_| Array2::<f32>::zeros((len_q, len_kv)));
+        let mut d_q_acc: Array2<f32> = try_zeros("d_q", (rows.padded, k_width))?;
+        let mut d_scores_h: Option<Array2<f32>> = match forward.opts.bias {
+            Some(_) => Some(try_zeros("the bias gradient", (len_q, len_kv))?),
+            None => None,
+        };
         let tiles: Vec<(TilePosition, TileSpan)> = (0..len_q)
             .step_by(QUERY_TILE)
             .map(|i0| {
@@ -187,12 +197,12 @@ fn head_gradients<K: Kernel>(
         );
         d_scores.push(d_scores_h);
     }
-    HeadGradients {
+    Ok(HeadGradients {
         d_k: d_k_acc.slice(s![..len_kv, ..d_k]).to_owned(),
         d_v: d_v_acc.slice(s![..len_kv, ..d_v]).to_owned(),
         d_q,
         d_scores,
-    }
+    })
 }
 
 /// The buffers of a thread's work items, reused from item to item (every
@@ -208,13 +218,13 @@ struct BackwardScratch {
 }
 
 impl BackwardScratch {
-    fn new<K: Kernel>(shape: &crate::call::AttentionShape) -> Self {
-        BackwardScratch {
-            keys_first: PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v),
-            values_first: PackedHead::new::<K>(shape.len_kv, shape.d_v, shape.d_k),
-            rows: QueryRows::new::<K>(shape),
+    fn new<K: Kernel>(shape: &AttentionShape) -> Result<Self, AttentionError> {
+        Ok(BackwardScratch {
+            keys_first: PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v)?,
+            values_first: PackedHead::new::<K>(shape.len_kv, shape.d_v, shape.d_k)?,
+            rows: QueryRows::new::<K>(shape)?,
             tiles: TileBuffers::new::<K>(),
-        }
+        })
     }
 }
 

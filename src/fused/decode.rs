@@ -8,7 +8,9 @@ use ndarray::{Array1, Array2, ArrayView2, ArrayView4, ArrayViewMut3, ArrayViewMu
 
 use super::tile::{KeySource, QueryTile, TilePosition};
 use super::{DECODE_CHUNK, DECODE_MAX_QUERIES, KEY_TILE};
+use crate::alloc::{element_count, try_with_capacity, try_zeros};
 use crate::call::{Call, head, head_mut};
+use crate::error::AttentionError;
 use crate::parallel::map_with;
 use crate::partial::merge_row;
 use crate::simd::Kernel;
@@ -27,24 +29,31 @@ pub(super) fn reads_keys_in_place<K: Kernel>(call: &Call<'_, f32>) -> bool {
 }
 
 /// Runs a decoding step (see the module header).
+///
+/// # Errors
+/// When a tile or partial-result buffer cannot be allocated.
 pub(super) fn decode<K: Kernel>(
     kernel: K,
     call: &Call<'_, f32>,
     mut out: ArrayViewMut4<'_, f32>,
     mut log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
-) {
+) -> Result<(), AttentionError> {
     let shape = call.shape;
     let group = shape.group();
     let chunks = shape.len_kv.div_ceil(DECODE_CHUNK).max(1);
-    let jobs: Vec<_> = (0..shape.batch)
-        .flat_map(|b| {
-            (0..shape.kv_heads).flat_map(move |kv_h| (0..chunks).map(move |c| (b, kv_h, c)))
-        })
-        .collect();
+    // Broadcast keys can make the list longer than memory allows.
+    let what = "the decode work list";
+    let count =
+        element_count::<(usize, usize, usize)>(what, &[shape.batch, shape.kv_heads, chunks])?;
+    let mut jobs = try_with_capacity(what, count)?;
+    jobs.extend((0..shape.batch).flat_map(|b| {
+        (0..shape.kv_heads).flat_map(move |kv_h| (0..chunks).map(move |c| (b, kv_h, c)))
+    }));
     let partials = map_with(
         jobs,
         || QueryTile::new::<K>(&shape, shape.len_q),
         |tile, (b, kv_h, c)| {
+            let tile = tile.as_mut().map_err(|error| error.clone())?;
             let source = KeyRows {
                 k: head(&call.k, b, kv_h),
                 v: head(&call.v, b, kv_h),
@@ -59,14 +68,17 @@ pub(super) fn decode<K: Kernel>(
                         rows: shape.len_q,
                     };
                     tile.attend(kernel, call, &at, &source, keys.clone());
-                    let mut out = Array2::zeros((shape.len_q, shape.d_v));
+                    let mut out: Array2<f32> =
+                        try_zeros("a decode partial", (shape.len_q, shape.d_v))?;
                     let mut lse = Array1::zeros(shape.len_q);
-                    tile.write_output(&at, &mut out.view_mut(), Some(lse.view_mut()));
-                    (out, lse)
+                    let (out_view, lse_view) = (&mut out.view_mut(), Some(lse.view_mut()));
+                    tile.write_output(call, &at, keys.clone(), out_view, lse_view);
+                    Ok((out, lse))
                 })
-                .collect::<Vec<_>>()
+                .collect::<Result<Vec<_>, AttentionError>>()
         },
     );
+    let partials = partials.into_iter().collect::<Result<Vec<_>, _>>()?;
     // Jobs came out in (b, kv_h, chunk) order: merge each head's chunks.
     for (job, chunk_heads) in partials.chunks(chunks).enumerate() {
         let (b, kv_h) = (job / shape.kv_heads, job % shape.kv_heads);
@@ -93,6 +105,7 @@ pub(super) fn decode<K: Kernel>(
             }
         }
     }
+    Ok(())
 }
 
 /// One head's `k` `[len_kv, d_k]` and `v` `[len_kv, d_v]`, read in place
@@ -120,10 +133,17 @@ impl KeySource for KeyRows<'_> {
         kernel.row_scores(q, d_k, k_tile, scores, KEY_TILE);
     }
 
-    fn values(&self, j0: usize, masked: bool) -> (ArrayView2<'_, f32>, bool) {
+    /// Only a weight of exactly 0 (masked or underflowed) can meet a
+    /// non-finite value as `0·NaN`: the values are scanned only when the
+    /// weights hold one, which decoding over unmasked keys seldom does.
+    fn values(&self, j0: usize, p: ArrayView2<'_, f32>) -> (ArrayView2<'_, f32>, bool) {
         let values = self.v.slice(s![self.tile(j0), ..]);
-        // Only a masked tile can multiply a hidden value by 0.
-        let nonfinite = masked && !values.iter().all(|x| x.is_finite());
+        let keys = values.nrows();
+        let zero_weight = p
+            .rows()
+            .into_iter()
+            .any(|row| row.iter().take(keys).any(|&w| w == 0.0));
+        let nonfinite = zero_weight && !values.iter().all(|x| x.is_finite());
         (values, nonfinite)
     }
 }

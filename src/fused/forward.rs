@@ -12,6 +12,7 @@ use super::pack::PackedHead;
 use super::tile::{KeySource, QueryTile, TilePosition};
 use super::{KEY_TILE, QUERY_TILE};
 use crate::call::{Call, head};
+use crate::error::AttentionError;
 use crate::parallel::{map_with, split_into_chunks};
 use crate::simd::{Kernel, WithKernel};
 
@@ -23,21 +24,21 @@ pub(super) struct Forward<'c, 'a> {
 }
 
 impl WithKernel for Forward<'_, '_> {
-    type Output = ();
+    type Output = Result<(), AttentionError>;
 
-    fn run<K: Kernel>(self, kernel: K) {
+    fn run<K: Kernel>(self, kernel: K) -> Self::Output {
         let Forward {
             call,
             out,
             log_sum_exp,
         } = self;
         if out.is_empty() {
-            return;
+            return Ok(());
         }
         if decode::reads_keys_in_place::<K>(call) {
-            decode::decode(kernel, call, out, log_sum_exp);
+            decode::decode(kernel, call, out, log_sum_exp)
         } else {
-            prefill(kernel, call, out, log_sum_exp);
+            prefill(kernel, call, out, log_sum_exp)
         }
     }
 }
@@ -45,12 +46,15 @@ impl WithKernel for Forward<'_, '_> {
 /// One job per `(batch, kv_head)`: pack its keys and values once, then run
 /// every query tile of every head that shares them. Jobs and tiles run in
 /// parallel; each tile writes its own rows of `out` (and of `log_sum_exp`).
+///
+/// # Errors
+/// When a packing or tile buffer cannot be allocated.
 fn prefill<K: Kernel>(
     kernel: K,
     call: &Call<'_, f32>,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
-) {
+) -> Result<(), AttentionError> {
     let shape = call.shape;
     let mut heads = heads_of(out)
         .into_iter()
@@ -72,13 +76,14 @@ fn prefill<K: Kernel>(
             jobs.push((b, kv_h, job_heads));
         }
     }
-    map_with(
+    let keys = 0..shape.len_kv;
+    let results = map_with(
         jobs,
         || (),
         |_, (b, kv_h, job_heads)| {
             // Fresh per job: reusing one per rayon piece (as the backward
             // does) measured 3–4% slower at N = 256, one thread.
-            let mut packed = PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v);
+            let mut packed = PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v)?;
             packed.pack::<K>(head(&call.k, b, kv_h), head(&call.v, b, kv_h));
             let mut tiles = Vec::new();
             for (h, (out_head, lse_head)) in job_heads {
@@ -104,12 +109,17 @@ fn prefill<K: Kernel>(
                 tiles,
                 || QueryTile::new::<K>(&shape, QUERY_TILE),
                 |tile, (at, mut out_tile, lse_tile)| {
-                    tile.attend(kernel, call, &at, &source, 0..shape.len_kv);
-                    tile.write_output(&at, &mut out_tile, lse_tile);
+                    let tile = tile.as_mut().map_err(|error| error.clone())?;
+                    tile.attend(kernel, call, &at, &source, keys.clone());
+                    tile.write_output(call, &at, keys.clone(), &mut out_tile, lse_tile);
+                    Ok(())
                 },
-            );
+            )
+            .into_iter()
+            .collect::<Result<(), AttentionError>>()
         },
     );
+    results.into_iter().collect()
 }
 
 /// One head's keys and values packed for the register-tiled kernels.
@@ -130,7 +140,8 @@ impl KeySource for PackedKeys<'_> {
         kernel.scores(q, d_k, panels, scores, KEY_TILE);
     }
 
-    fn values(&self, j0: usize, _masked: bool) -> (ArrayView2<'_, f32>, bool) {
+    /// Packing noted which tiles hold a non-finite value.
+    fn values(&self, j0: usize, _p: ArrayView2<'_, f32>) -> (ArrayView2<'_, f32>, bool) {
         (
             self.packed.rows.slice(s![j0..j0 + KEY_TILE, ..]),
             self.packed.tile_has_nonfinite_rows[j0 / KEY_TILE],

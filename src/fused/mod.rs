@@ -62,7 +62,8 @@ pub(crate) const DECODE_CHUNK: usize = 1024;
 /// each row's log-sum-exp.
 ///
 /// # Errors
-/// When the kernel set forced for this call cannot run on this CPU.
+/// When the kernel set forced for this call cannot run on this CPU, or a
+/// working buffer cannot be allocated.
 pub(crate) fn forward(
     call: &Call<'_, f32>,
     out: ArrayViewMut4<'_, f32>,
@@ -73,17 +74,18 @@ pub(crate) fn forward(
         out,
         log_sum_exp,
     };
-    simd::with_kernel(simd::current_kernel_set()?, job)
+    simd::with_kernel(simd::current_kernel_set()?, job)?
 }
 
 /// The backward pass on the fused path, into `gradients`.
 ///
 /// # Errors
-/// When the kernel set forced for this call cannot run on this CPU.
+/// When the kernel set forced for this call cannot run on this CPU, or a
+/// working buffer cannot be allocated.
 pub(crate) fn backward(
     call: &BackwardCall<'_, f32>,
     gradients: GradientsViewMut<'_, f32>,
 ) -> Result<(), AttentionError> {
     let job = backward::Backward { call, gradients };
-    simd::with_kernel(simd::current_kernel_set()?, job)
+    simd::with_kernel(simd::current_kernel_set()?, job)?
 }

@@ -9,7 +9,9 @@
 use ndarray::{Array2, ArrayView1, ArrayView2, Axis};
 
 use super::{KEY_TILE, QUERY_TILE};
+use crate::alloc::{element_count, try_filled, try_zeros};
 use crate::call::{AttentionShape, BackwardCall, head};
+use crate::error::AttentionError;
 use crate::simd::Kernel;
 
 /// Two matrices over the same `len_kv` keys, packed for the kernels and
@@ -30,14 +32,23 @@ pub(crate) struct PackedHead {
 impl PackedHead {
     /// Buffers for `len_kv` keys, panels of `panel_width` numbers per key
     /// and rows of `row_width`.
-    pub(crate) fn new<K: Kernel>(len_kv: usize, panel_width: usize, row_width: usize) -> Self {
-        let padded_keys = len_kv.div_ceil(KEY_TILE) * KEY_TILE;
+    ///
+    /// # Errors
+    /// When they are too large to address or cannot be allocated.
+    pub(crate) fn new<K: Kernel>(
+        len_kv: usize,
+        panel_width: usize,
+        row_width: usize,
+    ) -> Result<Self, AttentionError> {
+        let tiles = len_kv.div_ceil(KEY_TILE);
+        let padded_keys = tiles * KEY_TILE;
         let row_width = row_width.div_ceil(K::LANES) * K::LANES;
-        Self {
-            panels: vec![0.0; padded_keys * panel_width],
-            rows: Array2::zeros((padded_keys, row_width)),
-            tile_has_nonfinite_rows: vec![false; padded_keys / KEY_TILE],
-        }
+        let panels = element_count::<f32>("packed keys", &[padded_keys, panel_width])?;
+        Ok(Self {
+            panels: try_filled("packed keys", panels, 0.0)?,
+            rows: try_zeros("packed values", (padded_keys, row_width))?,
+            tile_has_nonfinite_rows: try_filled("packed values", tiles, false)?,
+        })
     }
 
     /// Packs `for_panels` `[len_kv, panel_width]` and `for_rows`
@@ -103,22 +114,26 @@ pub(crate) struct QueryRows {
 
 impl QueryRows {
     /// Zeroed buffers for one query head of `shape`.
-    pub(crate) fn new<K: Kernel>(shape: &AttentionShape) -> Self {
+    ///
+    /// # Errors
+    /// When they are too large to address or cannot be allocated.
+    pub(crate) fn new<K: Kernel>(shape: &AttentionShape) -> Result<Self, AttentionError> {
         let (d_k, d_v) = (shape.d_k, shape.d_v);
         let padded = shape.len_q.div_ceil(QUERY_TILE) * QUERY_TILE;
         let (k_width, v_width) = (
             d_k.div_ceil(K::LANES) * K::LANES,
             d_v.div_ceil(K::LANES) * K::LANES,
         );
-        QueryRows {
-            q_scaled: vec![0.0; padded * d_k],
-            q_scaled_rows: Array2::zeros((padded, k_width)),
-            d_out: vec![0.0; padded * d_v],
-            d_out_rows: Array2::zeros((padded, v_width)),
-            delta: vec![0.0; padded],
-            log_sum_exp: vec![f32::NEG_INFINITY; padded],
+        let what = "the backward's query rows";
+        Ok(QueryRows {
+            q_scaled: try_filled(what, element_count::<f32>(what, &[padded, d_k])?, 0.0)?,
+            q_scaled_rows: try_zeros(what, (padded, k_width))?,
+            d_out: try_filled(what, element_count::<f32>(what, &[padded, d_v])?, 0.0)?,
+            d_out_rows: try_zeros(what, (padded, v_width))?,
+            delta: try_filled(what, padded, 0.0)?,
+            log_sum_exp: try_filled(what, padded, f32::NEG_INFINITY)?,
             padded,
-        }
+        })
     }
 
     /// Packs query head `h` of batch item `b`. Every real row is written

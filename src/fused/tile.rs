@@ -9,8 +9,10 @@ use std::ops::Range;
 use ndarray::{ArrayView2, ArrayViewMut1, ArrayViewMut2};
 
 use super::KEY_TILE;
+use crate::alloc::try_filled;
 use crate::call::{AttentionShape, Call};
-use crate::mask::broadcast;
+use crate::error::AttentionError;
+use crate::mask::{biased, broadcast};
 use crate::simd::Kernel;
 
 /// Where a query tile sits: batch item, head, first row and row count.
@@ -77,7 +79,7 @@ pub(crate) fn add_bias(scores: &mut [f32], at: &TilePosition, j0: usize, call: &
         };
         let scores = &mut scores[r * KEY_TILE..][..j1 - j0];
         for (j, score) in (j0..j1).zip(scores) {
-            *score += bias_row[broadcast(bias_row.len(), offset + j)];
+            *score = biased(*score, bias_row[broadcast(bias_row.len(), offset + j)]);
         }
     }
 }
@@ -135,10 +137,11 @@ pub(crate) trait KeySource {
     fn scores<K: Kernel>(&self, kernel: K, q: &[f32], d_k: usize, j0: usize, scores: &mut [f32]);
 
     /// The value rows of the key tile starting at `j0` (whole tiles but at
-    /// the end of a source read in place), and whether `P·V` must skip zero
-    /// weights because one of them is not finite. `masked` says whether the
-    /// tile was masked element-wise.
-    fn values(&self, j0: usize, masked: bool) -> (ArrayView2<'_, f32>, bool);
+    /// the end of a source read in place), and whether `P·V` must skip the
+    /// zero weights of `p` (the tile's weights) because a value row is not
+    /// finite: a zero weight, masked or underflowed, contributes exactly
+    /// nothing, never `0·NaN`.
+    fn values(&self, j0: usize, p: ArrayView2<'_, f32>) -> (ArrayView2<'_, f32>, bool);
 }
 
 /// The buffers of one query tile, reused from tile to tile.
@@ -158,18 +161,26 @@ pub(crate) struct QueryTile {
 
 impl QueryTile {
     /// Buffers for tiles of up to `rows` query rows.
-    pub(crate) fn new<K: Kernel>(shape: &AttentionShape, rows: usize) -> Self {
+    ///
+    /// # Errors
+    /// When they cannot be allocated (a huge `d_k` or `d_v`).
+    pub(crate) fn new<K: Kernel>(
+        shape: &AttentionShape,
+        rows: usize,
+    ) -> Result<Self, AttentionError> {
         let rows = rows.div_ceil(K::ROWS) * K::ROWS;
         let value_width = shape.d_v.div_ceil(K::LANES) * K::LANES;
-        Self {
-            q: vec![0.0; rows * shape.d_k],
-            scores: vec![0.0; rows * KEY_TILE],
-            o: vec![0.0; rows * value_width],
-            max: vec![0.0; rows],
-            sum: vec![0.0; rows],
-            alpha: vec![0.0; rows],
+        let buffer =
+            |len: Option<usize>| try_filled("a query tile", len.unwrap_or(usize::MAX), 0.0);
+        Ok(Self {
+            q: buffer(rows.checked_mul(shape.d_k))?,
+            scores: buffer(Some(rows * KEY_TILE))?,
+            o: buffer(rows.checked_mul(value_width))?,
+            max: buffer(Some(rows))?,
+            sum: buffer(Some(rows))?,
+            alpha: buffer(Some(rows))?,
             value_width,
-        }
+        })
     }
 
     /// Runs the query tile `at` over every key tile in `keys` (whole tiles
@@ -211,9 +222,9 @@ impl QueryTile {
                 &mut self.sum[..rows],
                 &mut self.alpha[..rows],
             );
-            let (values, nonfinite) = source.values(j0, masked);
             let p = ArrayView2::from_shape((rows, KEY_TILE), &self.scores[..rows * KEY_TILE])
                 .expect("a whole tile");
+            let (values, nonfinite) = source.values(j0, p);
             let (alpha, o) = (&self.alpha[..rows], &mut self.o[..rows * width]);
             if nonfinite {
                 accumulate_skipping_zero_weights(p, values, alpha, o);
@@ -244,28 +255,41 @@ impl QueryTile {
     }
 
     /// Writes `O / ℓ` for the tile's rows into `out_tile`, and `m + ln ℓ`
-    /// into `log_sum_exp`; rows that saw no key (ℓ = 0) get zeros and `−inf`.
+    /// into `log_sum_exp`, after [`attend`](Self::attend) over `keys`.
+    ///
+    /// A NaN `ℓ` (a NaN or `+inf` visible score) gives NaN. `ℓ = 0` means
+    /// every visible score was `−inf`: a row that saw nothing (no visible
+    /// key, or all hidden by a `−inf` bias) gets zeros and `−inf`; a row with
+    /// an unhidden visible key got there by a non-finite input or an
+    /// overflowing score, and gets NaN (see `mask.rs`).
     pub(crate) fn write_output(
         &self,
+        call: &Call<'_, f32>,
         at: &TilePosition,
+        keys: Range<usize>,
         out_tile: &mut ArrayViewMut2<'_, f32>,
         log_sum_exp: Option<ArrayViewMut1<'_, f32>>,
     ) {
-        if let Some(mut log_sum_exp) = log_sum_exp {
-            for (r, lse) in log_sum_exp.iter_mut().enumerate() {
-                *lse = if self.sum[r] > 0.0 {
-                    self.max[r] + self.sum[r].ln()
-                } else {
-                    f32::NEG_INFINITY
-                };
-            }
-        }
+        let mut log_sum_exp = log_sum_exp;
         for r in 0..at.rows {
             let sum = self.sum[r];
             let o = &self.o[r * self.value_width..];
             let mut out_row = out_tile.row_mut(r);
-            for (y, &x) in out_row.iter_mut().zip(o) {
-                *y = if sum > 0.0 { x / sum } else { 0.0 };
+            let lse = if sum != 0.0 {
+                // A NaN sum gives NaN in both.
+                for (y, &x) in out_row.iter_mut().zip(o) {
+                    *y = x / sum;
+                }
+                self.max[r] + sum.ln()
+            } else if call.has_unhidden_key(at.b, at.h, at.i0 + r, keys.clone()) {
+                out_row.fill(f32::NAN);
+                f32::NAN
+            } else {
+                out_row.fill(0.0);
+                f32::NEG_INFINITY
+            };
+            if let Some(log_sum_exp) = log_sum_exp.as_mut() {
+                log_sum_exp[r] = lse;
             }
         }
     }
