@@ -2,12 +2,12 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-mod attention;
 pub mod core;
 mod element;
 mod error;
 mod fused;
 mod kv_cache;
+mod layer;
 mod options;
 mod parallel;
 mod partial;
@@ -18,12 +18,12 @@ pub mod simd;
 use ndarray::{Array4, ArrayView3, ArrayView4, ArrayViewMut4};
 
 pub use crate::core::AttentionGradients;
-pub use attention::{
-    Attention, AttentionConfig, AttentionWeights, CausalAttention, ForwardCache, LayerGradients,
-};
 pub use element::Element;
 pub use error::{AttentionError, ErrorKind};
 pub use kv_cache::KvCache;
+pub use layer::{
+    Attention, AttentionConfig, AttentionWeights, CausalAttention, ForwardCache, LayerGradients,
+};
 pub use options::{AttentionOptions, CausalAlignment};
 pub use partial::{AttentionPartial, scaled_dot_product_attention_partial};
 pub use sequence::{Masking, simple_self_attention, single_sequence_attention};
