@@ -22,11 +22,11 @@ pub use element::Element;
 pub use error::{AttentionError, ErrorKind};
 pub use kv_cache::KvCache;
 pub use layer::{
-    Attention, AttentionConfig, AttentionWeights, CausalAttention, ForwardCache, LayerGradients,
+    Attention, AttentionConfig, CausalAttention, ForwardCache, LayerGradients, LayerParameters,
 };
 pub use options::{AttentionOptions, CausalAlignment};
 pub use partial::{AttentionPartial, scaled_dot_product_attention_partial};
-pub use sequence::{Masking, simple_self_attention, single_sequence_attention};
+pub use sequence::{simple_self_attention, single_sequence_attention};
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + bias, masked)·V`.
 ///
