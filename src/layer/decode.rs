@@ -25,7 +25,7 @@ impl<F: Element> CausalAttention<F> {
     /// sliding-window attention: with it, [`prefill`](Self::prefill) and
     /// [`step`](Self::step) give what
     /// [`forward_batch_with`](Self::forward_batch_with) with
-    /// [`AttentionOptions::window`]`(window)` gives, keeping only the last
+    /// [`AttentionOptions::window`](crate::AttentionOptions::window)`(window)` gives, keeping only the last
     /// `window` positions.
     ///
     /// # Errors
