@@ -1,7 +1,6 @@
 //! The training forward, which keeps what the backward needs in a
 //! [`ForwardCache`], and the backward: the chain rule back through the
-//! data path of `project`,
-//! with the attention itself differentiated by
+//! data path of `project`, with the attention itself differentiated by
 //! [`crate::scaled_dot_product_attention_backward`] (the fused pass for
 //! `f32`, the reference for `f64`). Rows are all positions of all batch
 //! items; the heads are split and merged as in the forward:

@@ -58,8 +58,7 @@ impl<F: Element> Attention<F> {
         x: ArrayView2<'_, F>,
         opts: &AttentionOptions<'_, F>,
     ) -> Result<Array2<F>, AttentionError> {
-        let projected = self.layer.project_sequence(x)?;
-        Ok(one_sequence(self.layer.attend(&projected, opts)?))
+        self.layer.forward_sequence(x, opts)
     }
 
     /// [`forward_with`](Self::forward_with), also returning each head's
@@ -146,8 +145,7 @@ impl<F: Element> Attention<F> {
         x: ArrayView3<'_, F>,
         opts: &AttentionOptions<'_, F>,
     ) -> Result<Array3<F>, AttentionError> {
-        let projected = self.layer.project_batch(x)?;
-        self.layer.attend(&projected, opts)
+        self.layer.forward_batch(x, opts)
     }
 
     /// [`forward_batch_with`](Self::forward_batch_with), also returning the
@@ -209,8 +207,7 @@ impl<F: Element> Attention<F> {
         x_kv: ArrayView3<'_, F>,
         opts: &AttentionOptions<'_, F>,
     ) -> Result<Array3<F>, AttentionError> {
-        let projected = self.layer.project_cross(x_q, x_kv)?;
-        self.layer.attend(&projected, opts)
+        self.layer.forward_cross(x_q, x_kv, opts)
     }
 
     /// [`forward_cross_with`](Self::forward_cross_with), also returning the
@@ -225,8 +222,7 @@ impl<F: Element> Attention<F> {
         x_kv: ArrayView3<'_, F>,
         opts: &AttentionOptions<'_, F>,
     ) -> Result<(Array3<F>, Array4<F>), AttentionError> {
-        let projected = self.layer.project_cross(x_q, x_kv)?;
-        self.layer.with_weights(&projected, opts)
+        self.layer.forward_cross_with_weights(x_q, x_kv, opts)
     }
 }
 
@@ -254,10 +250,7 @@ impl<F: Element> CausalAttention<F> {
         x: ArrayView2<'_, F>,
         opts: &AttentionOptions<'_, F>,
     ) -> Result<Array2<F>, AttentionError> {
-        let projected = self.layer.project_sequence(x)?;
-        Ok(one_sequence(
-            self.layer.attend(&projected, &opts.clone().causal())?,
-        ))
+        self.layer.forward_sequence(x, &opts.clone().causal())
     }
 
     /// [`forward_with`](Self::forward_with), also returning each head's
@@ -323,8 +316,7 @@ impl<F: Element> CausalAttention<F> {
         x: ArrayView3<'_, F>,
         opts: &AttentionOptions<'_, F>,
     ) -> Result<Array3<F>, AttentionError> {
-        let projected = self.layer.project_batch(x)?;
-        self.layer.attend(&projected, &opts.clone().causal())
+        self.layer.forward_batch(x, &opts.clone().causal())
     }
 
     /// [`forward_batch_with`](Self::forward_batch_with), also returning the
@@ -343,9 +335,68 @@ impl<F: Element> CausalAttention<F> {
     }
 }
 
+// Each projects once and attends; a `_with_weights` form also computes
+// the weights from the same projections.
 impl<F: Element> Layer<F> {
-    /// The output and the attention weights of the projected inputs.
-    fn with_weights(
+    fn forward_sequence(
+        &self,
+        x: ArrayView2<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<Array2<F>, AttentionError> {
+        let projected = self.project_sequence(x)?;
+        Ok(one_sequence(self.attend(&projected, opts)?))
+    }
+
+    /// The weights are `[heads, len, len]`.
+    fn forward_sequence_with_weights(
+        &self,
+        x: ArrayView2<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<(Array2<F>, Array3<F>), AttentionError> {
+        let projected = self.project_sequence(x)?;
+        let (out, weights) = self.attend_with_weights(&projected, opts)?;
+        Ok((one_sequence(out), one_sequence(weights)))
+    }
+
+    fn forward_batch(
+        &self,
+        x: ArrayView3<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<Array3<F>, AttentionError> {
+        let projected = self.project_batch(x)?;
+        self.attend(&projected, opts)
+    }
+
+    fn forward_batch_with_weights(
+        &self,
+        x: ArrayView3<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<(Array3<F>, Array4<F>), AttentionError> {
+        let projected = self.project_batch(x)?;
+        self.attend_with_weights(&projected, opts)
+    }
+
+    fn forward_cross(
+        &self,
+        x_q: ArrayView3<'_, F>,
+        x_kv: ArrayView3<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<Array3<F>, AttentionError> {
+        let projected = self.project_cross(x_q, x_kv)?;
+        self.attend(&projected, opts)
+    }
+
+    fn forward_cross_with_weights(
+        &self,
+        x_q: ArrayView3<'_, F>,
+        x_kv: ArrayView3<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<(Array3<F>, Array4<F>), AttentionError> {
+        let projected = self.project_cross(x_q, x_kv)?;
+        self.attend_with_weights(&projected, opts)
+    }
+
+    fn attend_with_weights(
         &self,
         projected: &Projected<F>,
         opts: &AttentionOptions<'_, F>,
@@ -353,27 +404,6 @@ impl<F: Element> Layer<F> {
         let out = self.attend(projected, opts)?;
         let weights = self.attention_weights(projected, opts)?;
         Ok((out, weights))
-    }
-
-    /// Self-attention over a batch, with the weights.
-    fn forward_batch_with_weights(
-        &self,
-        x: ArrayView3<'_, F>,
-        opts: &AttentionOptions<'_, F>,
-    ) -> Result<(Array3<F>, Array4<F>), AttentionError> {
-        let projected = self.project_batch(x)?;
-        self.with_weights(&projected, opts)
-    }
-
-    /// Self-attention over one sequence, with the weights `[heads, len, len]`.
-    fn forward_sequence_with_weights(
-        &self,
-        x: ArrayView2<'_, F>,
-        opts: &AttentionOptions<'_, F>,
-    ) -> Result<(Array2<F>, Array3<F>), AttentionError> {
-        let projected = self.project_sequence(x)?;
-        let (out, weights) = self.with_weights(&projected, opts)?;
-        Ok((one_sequence(out), one_sequence(weights)))
     }
 }
 

@@ -58,17 +58,6 @@ impl<F: Element> Layer<F> {
         x_q: ArrayView3<'_, F>,
         x_kv: ArrayView3<'_, F>,
     ) -> Result<Projected<F>, AttentionError> {
-        self.check_cross_inputs(x_q, x_kv)?;
-        self.project_all(x_q, x_kv)
-    }
-
-    /// Checks the two inputs of cross-attention against the layer and each
-    /// other.
-    pub(super) fn check_cross_inputs(
-        &self,
-        x_q: ArrayView3<'_, F>,
-        x_kv: ArrayView3<'_, F>,
-    ) -> Result<(), AttentionError> {
         self.check_query_width("x_q", x_q.shape(), "[batch, len_q, d_model]")?;
         self.check_kv_width("x_kv", x_kv.shape(), "[batch, len_kv, d_model_kv]")?;
         if x_q.len_of(Axis(0)) != x_kv.len_of(Axis(0)) {
@@ -79,7 +68,7 @@ impl<F: Element> Layer<F> {
                 x_kv.shape()
             )));
         }
-        Ok(())
+        self.project_all(x_q, x_kv)
     }
 
     /// `x_q · W^Q + b_q`, `x_kv · W^K + b_k`, `x_kv · W^V + b_v`.
@@ -156,7 +145,7 @@ impl<F: Element> Layer<F> {
         }
     }
 
-    pub(super) fn check_self_attention(&self) -> Result<(), AttentionError> {
+    fn check_self_attention(&self) -> Result<(), AttentionError> {
         if self.config.kv_input_width() != self.config.d_model {
             return Err(shape_error(format!(
                 "self-attention needs d_model_kv = d_model, but {}: this is a cross-attention \
@@ -167,7 +156,7 @@ impl<F: Element> Layer<F> {
         Ok(())
     }
 
-    pub(crate) fn check_query_width(
+    pub(super) fn check_query_width(
         &self,
         name: &str,
         shape: &[usize],
@@ -176,7 +165,7 @@ impl<F: Element> Layer<F> {
         self.check_width(name, shape, layout, "d_model", self.config.d_model)
     }
 
-    pub(super) fn check_kv_width(
+    fn check_kv_width(
         &self,
         name: &str,
         shape: &[usize],
