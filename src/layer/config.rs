@@ -152,7 +152,7 @@ impl AttentionConfig {
     }
 
     /// Checks that every size is positive and the heads divide.
-    pub(crate) fn check(&self) -> Result<(), AttentionError> {
+    pub(super) fn check(&self) -> Result<(), AttentionError> {
         if self.d_model == 0 || self.d_k == 0 || self.d_v == 0 {
             return Err(AttentionError::new(
                 ErrorKind::ZeroDimension,
@@ -195,7 +195,7 @@ impl AttentionConfig {
 }
 
 /// A config in one line, for error messages.
-pub(crate) fn describe_config(config: &AttentionConfig) -> String {
+pub(super) fn describe_config(config: &AttentionConfig) -> String {
     format!(
         "the config d_model = {}, d_model_kv = {}, heads = {}, kv_heads = {}, d_k = {}, d_v = {}, \
          d_model_out = {:?}, bias = {}",

@@ -144,9 +144,9 @@ pub struct CausalAttention<F> {
 /// The config and the parameters every layer type shares, and the
 /// computation on them; a checked pair (the parameters fit the config).
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Layer<F> {
-    pub(crate) config: AttentionConfig,
-    pub(crate) parameters: LayerParameters<F>,
+struct Layer<F> {
+    config: AttentionConfig,
+    parameters: LayerParameters<F>,
 }
 
 impl<F: Element> Attention<F> {

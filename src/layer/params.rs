@@ -25,16 +25,16 @@ use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
 
 /// One projection of a layer: a row of the parameter table.
-pub(crate) struct Projection {
+pub(super) struct Projection {
     /// The name of its weight matrix, as the field of [`LayerParameters`].
-    pub(crate) weight: &'static str,
+    pub(super) weight: &'static str,
     /// The name of its bias vector.
-    pub(crate) bias: &'static str,
+    pub(super) bias: &'static str,
     /// The weight's shape in the config's terms, for messages.
-    pub(crate) layout: &'static str,
+    pub(super) layout: &'static str,
     /// The weight's shape `[rows, columns]` under a config, `None` when a
     /// layer of that config has no such projection.
-    pub(crate) shape: fn(&AttentionConfig) -> Option<(usize, usize)>,
+    pub(super) shape: fn(&AttentionConfig) -> Option<(usize, usize)>,
 }
 
 impl Projection {
@@ -49,7 +49,7 @@ impl Projection {
 
 /// The parameter table, in parameter order. Head `h` owns columns
 /// `h·d_k .. (h+1)·d_k` of `W^Q` (and likewise for the others).
-pub(crate) const PROJECTIONS: [Projection; 4] = [
+pub(super) const PROJECTIONS: [Projection; 4] = [
     Projection {
         weight: "w_q",
         bias: "b_q",
@@ -252,7 +252,7 @@ impl<F> LayerParameters<F> {
 
     /// Checks every parameter's shape, and which are present, against
     /// `config`, which was checked.
-    pub(crate) fn check(&self, config: &AttentionConfig) -> Result<(), AttentionError> {
+    pub(super) fn check(&self, config: &AttentionConfig) -> Result<(), AttentionError> {
         let expected = |what: &str, expected: String| {
             shape_error(format!(
                 "{what}, expected {expected} for {}; got {}",
@@ -318,7 +318,7 @@ impl<F> LayerParameters<F> {
 
 impl<F: Element> LayerParameters<F> {
     /// Zero parameters of the shapes `config` (checked) asks for.
-    pub(crate) fn zeros(config: &AttentionConfig) -> Self {
+    pub(super) fn zeros(config: &AttentionConfig) -> Self {
         let [w_q, w_k, w_v, w_o] = PROJECTIONS.map(|p| (p.shape)(config).map(Array2::zeros));
         let [b_q, b_k, b_v, b_o] = PROJECTIONS.map(|p| p.bias_len(config).map(Array1::zeros));
         let always = "the table gives every config W^Q, W^K and W^V";
@@ -335,7 +335,7 @@ impl<F: Element> LayerParameters<F> {
     }
 
     /// The weight matrices there are, writable, in table order.
-    pub(crate) fn weights_mut(&mut self) -> impl Iterator<Item = &mut Array2<F>> {
+    pub(super) fn weights_mut(&mut self) -> impl Iterator<Item = &mut Array2<F>> {
         self.slots_mut().0.into_iter().flatten()
     }
 }
