@@ -372,6 +372,25 @@ impl<F: Element> KvCache<F> {
     ) -> Result<(), AttentionError> {
         self.check_new(&k, &v)?;
         self.check_queries(&q, &k, out.shape())?;
+        self.attend_into_prechecked(q, k, v, out)
+    }
+
+    /// [`attend_into`](Self::attend_into) for a caller whose `q`, `k`, `v`
+    /// and `out` fit the cache by construction: a layer's decoding step,
+    /// whose config was validated once and matched to the cache, so the
+    /// argument checks (heads a multiple of `kv_heads` among them) are not
+    /// made again.
+    pub(crate) fn attend_into_prechecked(
+        &mut self,
+        q: ArrayView4<'_, F>,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+        out: ArrayViewMut4<'_, F>,
+    ) -> Result<(), AttentionError> {
+        debug_assert!(
+            self.check_new(&k, &v).is_ok() && self.check_queries(&q, &k, out.shape()).is_ok(),
+            "the caller promised arguments that fit the cache"
+        );
         let n = q.len_of(Axis(2));
         if n == 0 {
             return Ok(());

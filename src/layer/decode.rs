@@ -133,7 +133,9 @@ impl<F: Element> Layer<F> {
         let Heads { q, k, v } = self.split_all(&projected)?;
         let (batch, len_new, _) = projected.q.dim();
         let mut heads_out = Array4::zeros((batch, len_new, self.config.heads, self.config.d_v));
-        cache.attend_into(q, k, v, heads_out.view_mut().permuted_axes([0, 2, 1, 3]))?;
+        // `check_step` matched the cache to the config, which was validated
+        // when the layer was built: the projections fit the cache.
+        cache.attend_into_prechecked(q, k, v, heads_out.view_mut().permuted_axes([0, 2, 1, 3]))?;
         self.output(heads_out)
     }
 
