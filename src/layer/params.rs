@@ -14,9 +14,10 @@
 //! - the shape check of a layer's parameters and of gradients;
 //! - the zero parameters the seeded initialisation fills.
 //!
-//! The only other place the fields are listed is [`LayerParameters::slots`]
-//! and its `_mut` twin, which hand them out in table order (the unit test
-//! at the bottom holds them to it).
+//! The fields are named only where Rust needs them by name:
+//! [`LayerParameters::slots`] and its `_mut` twin, which hand them out in
+//! table order, and [`LayerParameters::zeros`], which builds them in it
+//! (the unit test at the bottom holds all three to the table).
 
 use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
 
@@ -25,16 +26,16 @@ use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
 
 /// One projection of a layer: a row of the parameter table.
-pub(super) struct Projection {
+struct Projection {
     /// The name of its weight matrix, as the field of [`LayerParameters`].
-    pub(super) weight: &'static str,
+    weight: &'static str,
     /// The name of its bias vector.
-    pub(super) bias: &'static str,
+    bias: &'static str,
     /// The weight's shape in the config's terms, for messages.
-    pub(super) layout: &'static str,
+    layout: &'static str,
     /// The weight's shape `[rows, columns]` under a config, `None` when a
     /// layer of that config has no such projection.
-    pub(super) shape: fn(&AttentionConfig) -> Option<(usize, usize)>,
+    shape: fn(&AttentionConfig) -> Option<(usize, usize)>,
 }
 
 impl Projection {
@@ -49,7 +50,7 @@ impl Projection {
 
 /// The parameter table, in parameter order. Head `h` owns columns
 /// `h·d_k .. (h+1)·d_k` of `W^Q` (and likewise for the others).
-pub(super) const PROJECTIONS: [Projection; 4] = [
+const PROJECTIONS: [Projection; 4] = [
     Projection {
         weight: "w_q",
         bias: "b_q",
