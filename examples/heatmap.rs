@@ -60,7 +60,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_heads(HEADS)
         .with_output_projection(D_MODEL);
     let opts = AttentionOptions::new();
-    // The same seed gives both layers the same weights: the panels differ
+    // The same seed gives both layers the same parameters: the panels differ
     // only by the causal mask.
     let (_, bidirectional) =
         Attention::<f64>::new_seeded(config, SEED)?.forward_with_weights(x.view(), &opts)?;

@@ -3,13 +3,12 @@
 #![deny(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// The data path, top to bottom: layers (`attention`, `kv_cache`,
-// `sequence`) → the functional entry points below → `call` (one check) →
-// `element` (which path a type runs) → `fused` over `simd`, or `core`.
-// `options`, `mask`, `gradients`, `partial`, `parallel` and `error` sit
-// below both paths.
+// The data path, top to bottom: layers (`layer`, `kv_cache`, `sequence`)
+// → the functional entry points below → `call` (one check) → `element`
+// (which path a type runs) → `fused` over `simd`, or `core`. `options`,
+// `mask`, `gradients`, `partial`, `alloc`, `parallel` and `error` sit below
+// both paths.
 mod alloc;
-mod attention;
 mod call;
 pub mod core;
 mod element;
@@ -17,6 +16,7 @@ mod error;
 mod fused;
 mod gradients;
 mod kv_cache;
+mod layer;
 mod mask;
 mod options;
 mod parallel;
@@ -27,16 +27,16 @@ pub mod simd;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
-pub use attention::{
-    Attention, AttentionConfig, AttentionWeights, CausalAttention, ForwardCache, LayerGradients,
-};
 pub use element::Element;
 pub use error::{AttentionError, ErrorKind};
 pub use gradients::AttentionGradients;
 pub use kv_cache::KvCache;
+pub use layer::{
+    Attention, AttentionConfig, CausalAttention, ForwardCache, LayerGradients, LayerParameters,
+};
 pub use options::{AttentionOptions, CausalAlignment};
 pub use partial::AttentionPartial;
-pub use sequence::{Masking, simple_self_attention, single_sequence_attention};
+pub use sequence::{simple_self_attention, single_sequence_attention};
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + bias, masked)·V`.
 ///

@@ -13,24 +13,6 @@ use crate::element::Element;
 use crate::error::{AttentionError, ErrorKind, shape_error};
 use crate::options::AttentionOptions;
 
-/// Whether a position may attend to later positions of its own sequence.
-///
-/// ```
-/// use sdpa::Masking;
-/// // A decoder / left-to-right language model:
-/// let decoder = Masking::Causal;
-/// // An encoder, which sees the whole input at once:
-/// let encoder = Masking::Bidirectional;
-/// # let _ = (decoder, encoder);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Masking {
-    /// Position `i` attends to positions `j ≤ i` only.
-    Causal,
-    /// Every position attends to every position.
-    Bidirectional,
-}
-
 /// The seed's simplest self-attention, with no learned projections:
 /// `y_i = Σ_j softmax_j(x_i · x_j) x_j`.
 ///
@@ -39,7 +21,8 @@ pub enum Masking {
 /// dot products `x_i · x_j`, with no `1/√d` scaling (scale 1), as in the
 /// seed's first formula; for the scaled form call
 /// [`single_sequence_attention`]`(x, x, x, &AttentionOptions::new())`.
-/// With [`Masking::Causal`] the sum runs over `j ≤ i`.
+/// With `causal` the sum runs over `j ≤ i` (as
+/// [`AttentionOptions::causal`]); without, over every `j`.
 ///
 /// An empty sequence (`len == 0`) gives an empty `[0, d]` output.
 ///
@@ -48,10 +31,11 @@ pub enum Masking {
 ///
 /// ```
 /// use ndarray::array;
-/// use sdpa::{simple_self_attention, Masking};
+/// use sdpa::simple_self_attention;
 ///
 /// let x = array![[1.0_f64, 0.0], [0.0, 1.0], [1.0, 1.0]];
-/// let y = simple_self_attention(x.view(), Masking::Causal)?;
+/// let causal = true;
+/// let y = simple_self_attention(x.view(), causal)?;
 /// // The first position sees only itself.
 /// assert_eq!(y.row(0), x.row(0));
 /// // The third: scores 1, 1, 2, so weights ∝ e, e, e².
@@ -62,7 +46,7 @@ pub enum Masking {
 /// ```
 pub fn simple_self_attention<F: Element>(
     x: ArrayView2<'_, F>,
-    masking: Masking,
+    causal: bool,
 ) -> Result<Array2<F>, AttentionError> {
     if x.ncols() == 0 {
         return Err(AttentionError::new(
@@ -71,10 +55,7 @@ pub fn simple_self_attention<F: Element>(
         ));
     }
     let opts = AttentionOptions::new().scale(F::one());
-    let opts = match masking {
-        Masking::Causal => opts.causal(),
-        Masking::Bidirectional => opts,
-    };
+    let opts = if causal { opts.causal() } else { opts };
     single_sequence_attention(x, x, x, &opts)
 }
 

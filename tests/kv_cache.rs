@@ -249,7 +249,7 @@ proptest! {
     #[test]
     fn prefill_and_steps_equal_the_full_causal_forward(
         (d_model, d_k, d_v, kv_heads, group) in (1..7_usize, 1..5_usize, 1..5_usize, 1..3_usize, 1..3_usize),
-        (d_out, bias, batch) in (prop::option::of(1..6_usize), any::<bool>(), 1..3_usize),
+        (d_model_out, bias, batch) in (prop::option::of(1..6_usize), any::<bool>(), 1..3_usize),
         prompt in 0..8_usize,
         chunks in prop::collection::vec(1..4_usize, 0..8),
         window in prop::option::of(1..6_usize),
@@ -260,7 +260,7 @@ proptest! {
             .with_heads(kv_heads * group)
             .with_kv_heads(kv_heads)
             .with_bias(bias);
-        config.d_out = d_out;
+        config.d_model_out = d_model_out;
         let total = prompt + chunks.iter().sum::<usize>();
         let x = filled3::<f64>(seed, (batch, total, d_model));
         let (full, decoded) = decode::<f64>(config, seed, &x, prompt, &chunks, window, capacity);

@@ -16,8 +16,8 @@ use common::Rng;
 use ndarray::{Array1, Array2, Array3, Array4, ArrayView3, Axis, s};
 use proptest::prelude::*;
 use sdpa::{
-    Attention, AttentionConfig, AttentionError, AttentionOptions, AttentionWeights,
-    CausalAlignment, CausalAttention, Element, ErrorKind, ForwardCache, LayerGradients,
+    Attention, AttentionConfig, AttentionError, AttentionOptions, CausalAlignment, CausalAttention,
+    Element, ErrorKind, ForwardCache, LayerGradients, LayerParameters,
 };
 
 fn cast<F: Element>(x: f64) -> F {
@@ -55,8 +55,10 @@ impl<F: Element> Layer<F> {
 
     fn parameter_names(&self) -> Vec<&'static str> {
         match self {
-            Layer::Bidirectional(layer) => layer.parameters().map(|(name, _)| name).collect(),
-            Layer::Causal(layer) => layer.parameters().map(|(name, _)| name).collect(),
+            Layer::Bidirectional(layer) => {
+                layer.parameters().iter().map(|(name, _)| name).collect()
+            }
+            Layer::Causal(layer) => layer.parameters().iter().map(|(name, _)| name).collect(),
         }
     }
 
@@ -78,7 +80,7 @@ impl<F: Element> Layer<F> {
 struct Case<F> {
     kind: Kind,
     config: AttentionConfig,
-    weights: AttentionWeights<F>,
+    weights: LayerParameters<F>,
     x: Array3<F>,
     x_kv: Option<Array3<F>>,
     keep_mask: Option<Array4<bool>>,
@@ -114,13 +116,13 @@ impl Case<f64> {
         let width_kv = c.kv_input_width();
         // Weights a little larger than Xavier, so the attention is not flat.
         let w = |rng: &mut Rng, rows: usize, cols: usize| random2(rng, (rows, cols), 1.0);
-        let mut weights = AttentionWeights::new(
+        let mut weights = LayerParameters::new(
             w(&mut rng, c.d_model, c.heads * c.d_k),
             w(&mut rng, width_kv, c.kv_heads * c.d_k),
             w(&mut rng, width_kv, c.kv_heads * c.d_v),
         );
-        if let Some(d_out) = c.d_out {
-            weights = weights.with_output(w(&mut rng, c.heads * c.d_v, d_out));
+        if let Some(d_model_out) = c.d_model_out {
+            weights = weights.with_output(w(&mut rng, c.heads * c.d_v, d_model_out));
         }
         if c.bias {
             let b = |rng: &mut Rng, len: usize| {
@@ -131,8 +133,8 @@ impl Case<f64> {
                 b(&mut rng, c.kv_heads * c.d_k),
                 b(&mut rng, c.kv_heads * c.d_v),
             );
-            if let Some(d_out) = c.d_out {
-                weights = weights.with_output_bias(b(&mut rng, d_out));
+            if let Some(d_model_out) = c.d_model_out {
+                weights = weights.with_output_bias(b(&mut rng, d_model_out));
             }
         }
         let x = random3(&mut rng, (batch, len_q, c.d_model));
@@ -201,7 +203,7 @@ impl<F: Element> Case<F> {
         let m2 = |a: &Array2<F>| a.mapv(|x| cast::<G>(to_f64(x)));
         let m1 = |a: &Array1<F>| a.mapv(|x| cast::<G>(to_f64(x)));
         let w = &self.weights;
-        let mut weights = AttentionWeights::new(m2(&w.w_q), m2(&w.w_k), m2(&w.w_v));
+        let mut weights = LayerParameters::new(m2(&w.w_q), m2(&w.w_k), m2(&w.w_v));
         weights.w_o = w.w_o.as_ref().map(m2);
         weights.b_q = w.b_q.as_ref().map(m1);
         weights.b_k = w.b_k.as_ref().map(m1);
@@ -364,11 +366,16 @@ impl Case<f64> {
         let grads = self.gradients();
         let layer = self.layer();
         let names = layer.parameter_names();
-        let grad_names: Vec<_> = grads.iter().map(|(name, _)| name).collect();
+        let grad_names: Vec<_> = grads.d_parameters.iter().map(|(name, _)| name).collect();
         if names != grad_names {
             return Err(format!("parameters {names:?} but gradients {grad_names:?}"));
         }
-        if !grads.d_x.is_standard_layout() || grads.iter().any(|(_, g)| !g.is_standard_layout()) {
+        if !grads.d_x.is_standard_layout()
+            || grads
+                .d_parameters
+                .iter()
+                .any(|(_, g)| !g.is_standard_layout())
+        {
             return Err("a gradient is not in row-major order".into());
         }
         let mut tensors: Vec<(String, Target, Vec<f64>)> =
@@ -381,7 +388,7 @@ impl Case<f64> {
             (Some(_), _) => return Err("self-attention with d_x_kv".into()),
             (None, _) => {}
         }
-        for (p, (name, g)) in grads.iter().enumerate() {
+        for (p, (name, g)) in grads.d_parameters.iter().enumerate() {
             tensors.push((
                 format!("d_{name}"),
                 Target::Parameter(p),
@@ -617,14 +624,19 @@ fn empty_sequences_give_zero_gradients() {
         .with_bias(true);
     let grads = Case::new(Kind::SelfAttention, config, 2, 0, 0, 21).gradients();
     assert_eq!(grads.d_x.shape(), &[2, 0, 4]);
-    assert!(grads.iter().all(|(_, g)| g.iter().all(|&g| g == 0.0)));
+    assert!(
+        grads
+            .d_parameters
+            .iter()
+            .all(|(_, g)| g.iter().all(|&g| g == 0.0))
+    );
 
     // No keys: every query outputs zeros, so nothing has a gradient but b_o.
     let config = config.with_d_model_kv(5);
     let grads = Case::new(Kind::Cross, config, 2, 3, 0, 22).gradients();
     assert_eq!(grads.d_x_kv.as_ref().unwrap().shape(), &[2, 0, 5]);
     assert!(grads.d_x.iter().all(|&g| g == 0.0));
-    for (name, g) in grads.iter() {
+    for (name, g) in grads.d_parameters.iter() {
         assert_eq!(g.iter().all(|&g| g == 0.0), name != "b_o", "{name}");
     }
 }
@@ -658,8 +670,8 @@ fn key_bias_gradient_is_zero_up_to_rounding() {
     let grads = Case::new(Kind::Causal, config, 2, 6, 0, 24)
         .with_key_lengths(&[6, 3])
         .gradients();
-    let d_b_k = grads.d_b_k.unwrap();
-    let d_b_q = grads.d_b_q.unwrap();
+    let d_b_k = grads.d_parameters.b_k.unwrap();
+    let d_b_q = grads.d_parameters.b_q.unwrap();
     let largest = d_b_q.iter().fold(0.0_f64, |m, g| m.max(g.abs()));
     assert!(
         d_b_k.iter().all(|g| g.abs() <= 1e-13 * largest.max(1.0)),
@@ -725,6 +737,7 @@ fn sgd_step_lowers_the_loss_and_apply_gradients_pairs_parameters() {
     layer.sgd_step(&grads, 1e-3).unwrap();
     let after = case.loss(&Layer::Causal(layer.clone()));
     let squared_norm: f64 = grads
+        .d_parameters
         .iter()
         .map(|(_, g)| g.iter().map(|g| g * g).sum::<f64>())
         .sum();
@@ -779,7 +792,7 @@ fn assert_f32_matches_f64(case64: &Case<f64>, tol: f64) -> f64 {
                 b.iter().map(|&x| x as f64).collect(),
             ));
         }
-        for ((name, a), (_, b)) in g.iter().zip(h.iter()) {
+        for ((name, a), (_, b)) in g.d_parameters.iter().zip(h.d_parameters.iter()) {
             pairs.push((
                 name.into(),
                 a.iter().copied().collect(),
@@ -788,7 +801,10 @@ fn assert_f32_matches_f64(case64: &Case<f64>, tol: f64) -> f64 {
         }
         pairs
     };
-    assert_eq!(g32.iter().count(), g64.iter().count());
+    assert_eq!(
+        g32.d_parameters.iter().count(),
+        g64.d_parameters.iter().count()
+    );
     let pairs = pairs(&g64, &g32);
     let global = pairs
         .iter()
@@ -949,7 +965,7 @@ fn random_case() -> impl Strategy<Value = Case<f64>> {
         .prop_map(
             |(
                 (kind, kv_heads, group, d_model, d_k, d_v),
-                (d_out, bias, d_model_kv),
+                (d_model_out, bias, d_model_kv),
                 (batch, len_q, len_kv),
                 (key_lengths, keep_mask, attention_bias, causal, window),
                 seed,
@@ -959,8 +975,8 @@ fn random_case() -> impl Strategy<Value = Case<f64>> {
                     .with_heads(kv_heads * group)
                     .with_kv_heads(kv_heads)
                     .with_bias(bias);
-                if let Some(d_out) = d_out {
-                    config = config.with_output_projection(d_out);
+                if let Some(d_model_out) = d_model_out {
+                    config = config.with_output_projection(d_model_out);
                 }
                 if kind == Kind::Cross {
                     config = config.with_d_model_kv(d_model_kv);

@@ -8,8 +8,8 @@ use approx::assert_abs_diff_eq;
 use ndarray::{Array2, Array3, Array4, ArrayView2, ArrayView3, Axis, s};
 use proptest::prelude::*;
 use sdpa::{
-    Attention, AttentionConfig, AttentionError, AttentionOptions, AttentionWeights,
-    CausalAlignment, CausalAttention, ErrorKind,
+    Attention, AttentionConfig, AttentionError, AttentionOptions, CausalAlignment, CausalAttention,
+    ErrorKind, LayerParameters,
 };
 
 /// The layer written out: project each position with `.dot`, then the
@@ -59,7 +59,7 @@ proptest! {
     fn attention_matches_the_reference((config, x) in config_and_input(), seed in any::<u64>()) {
         let layer = Attention::<f64>::new_seeded(config, seed).unwrap();
         let y = layer.forward_batch(x.view()).unwrap();
-        let expected = reference(layer.w_q(), layer.w_k(), layer.w_v(), x.view(), &AttentionOptions::new());
+        let expected = reference(layer.parameters().w_q.view(), layer.parameters().w_k.view(), layer.parameters().w_v.view(), x.view(), &AttentionOptions::new());
         prop_assert_eq!(y.dim(), (x.dim().0, x.dim().1, config.d_v));
         assert_abs_diff_eq!(y, expected, epsilon = 1e-12);
     }
@@ -68,7 +68,7 @@ proptest! {
     fn causal_attention_matches_the_causal_reference((config, x) in config_and_input(), seed in any::<u64>()) {
         let layer = CausalAttention::<f64>::new_seeded(config, seed).unwrap();
         let y = layer.forward_batch(x.view()).unwrap();
-        let expected = reference(layer.w_q(), layer.w_k(), layer.w_v(), x.view(), &AttentionOptions::new().causal());
+        let expected = reference(layer.parameters().w_q.view(), layer.parameters().w_k.view(), layer.parameters().w_v.view(), x.view(), &AttentionOptions::new().causal());
         assert_abs_diff_eq!(y, expected, epsilon = 1e-12);
     }
 
@@ -86,7 +86,7 @@ proptest! {
             _ => AttentionOptions::new().causal().bias(bias.view()),
         };
         let y = layer.forward_batch_with(x.view(), &opts).unwrap();
-        let expected = reference(layer.w_q(), layer.w_k(), layer.w_v(), x.view(), &opts);
+        let expected = reference(layer.parameters().w_q.view(), layer.parameters().w_k.view(), layer.parameters().w_v.view(), x.view(), &opts);
         assert_abs_diff_eq!(y, expected, epsilon = 1e-12);
     }
 
@@ -97,7 +97,7 @@ proptest! {
         let lengths: Vec<usize> = (0..batch).map(|b| (b * 5 + seed as usize) % (len + 1)).collect();
         let opts = AttentionOptions::new().key_lengths(&lengths);
         let y = layer.forward_batch_with(x.view(), &opts).unwrap();
-        let expected = reference(layer.w_q(), layer.w_k(), layer.w_v(), x.view(), &opts.clone().causal());
+        let expected = reference(layer.parameters().w_q.view(), layer.parameters().w_k.view(), layer.parameters().w_v.view(), x.view(), &opts.clone().causal());
         assert_abs_diff_eq!(y, expected, epsilon = 1e-12);
     }
 
@@ -189,19 +189,19 @@ proptest! {
         let b = Attention::<f64>::new_seeded(config, seed).unwrap();
         prop_assert_eq!(&a, &b);
         prop_assert_eq!(a.config(), config);
-        prop_assert_eq!(a.w_q().dim(), (d_model, d_k));
-        prop_assert_eq!(a.w_k().dim(), (d_model, d_k));
-        prop_assert_eq!(a.w_v().dim(), (d_model, d_v));
+        prop_assert_eq!(a.parameters().w_q.view().dim(), (d_model, d_k));
+        prop_assert_eq!(a.parameters().w_k.view().dim(), (d_model, d_k));
+        prop_assert_eq!(a.parameters().w_v.view().dim(), (d_model, d_v));
         let bound_qk = (6.0 / (d_model + d_k) as f64).sqrt();
         let bound_v = (6.0 / (d_model + d_v) as f64).sqrt();
-        prop_assert!(a.w_q().iter().chain(a.w_k().iter()).all(|w| w.abs() <= bound_qk));
-        prop_assert!(a.w_v().iter().all(|w| w.abs() <= bound_v));
+        prop_assert!(a.parameters().w_q.view().iter().chain(a.parameters().w_k.view().iter()).all(|w| w.abs() <= bound_qk));
+        prop_assert!(a.parameters().w_v.view().iter().all(|w| w.abs() <= bound_v));
         // The same draws, rounded, for f32; and the causal layer gets them too.
         let a32 = Attention::<f32>::new_seeded(config, seed).unwrap();
-        prop_assert_eq!(a32.w_q(), a.w_q().mapv(|w| w as f32));
-        prop_assert_eq!(a32.w_v(), a.w_v().mapv(|w| w as f32));
+        prop_assert_eq!(a32.parameters().w_q.view(), a.parameters().w_q.view().mapv(|w| w as f32));
+        prop_assert_eq!(a32.parameters().w_v.view(), a.parameters().w_v.view().mapv(|w| w as f32));
         let causal = CausalAttention::<f64>::new_seeded(config, seed).unwrap();
-        prop_assert_eq!(causal.w_k(), a.w_k());
+        prop_assert_eq!(causal.parameters().w_k.view(), a.parameters().w_k.view());
     }
 }
 
@@ -210,7 +210,7 @@ fn seeded_weights_fill_the_xavier_interval() {
     let config = AttentionConfig::new(64, 64, 32);
     let layer = Attention::<f64>::new_seeded(config, 2024).unwrap();
     let bound = (6.0_f64 / 128.0).sqrt();
-    let w = layer.w_q();
+    let w = layer.parameters().w_q.view();
     let n = w.len() as f64;
     let mean = w.sum() / n;
     let variance = w.mapv(|x| (x - mean).powi(2)).sum() / n;
@@ -229,22 +229,22 @@ fn different_seeds_give_different_weights() {
     let config = AttentionConfig::new(8, 4, 4);
     let a = Attention::<f32>::new_seeded(config, 1).unwrap();
     let b = Attention::<f32>::new_seeded(config, 2).unwrap();
-    assert_ne!(a.w_q(), b.w_q());
+    assert_ne!(a.parameters().w_q.view(), b.parameters().w_q.view());
     // W^Q, W^K and W^V are different draws from one stream.
-    assert_ne!(a.w_q(), a.w_k());
+    assert_ne!(a.parameters().w_q.view(), a.parameters().w_k.view());
 }
 
 #[test]
-fn from_weights_keeps_the_weights_and_reads_the_config() {
+fn from_projections_keeps_the_weights_and_reads_the_config() {
     let w_q = Array2::from_shape_fn((3, 2), |(i, j)| (i * 2 + j) as f64);
     let w_k = Array2::from_shape_fn((3, 2), |(i, j)| (i + j) as f64 * 0.5);
     let w_v = Array2::from_shape_fn((3, 5), |(i, j)| (i * j) as f64 - 1.0);
-    let layer = Attention::from_weights(w_q.clone(), w_k.clone(), w_v.clone()).unwrap();
+    let layer = Attention::from_projections(w_q.clone(), w_k.clone(), w_v.clone()).unwrap();
     assert_eq!(layer.config(), AttentionConfig::new(3, 2, 5));
-    assert_eq!(layer.w_q(), w_q);
-    assert_eq!(layer.w_k(), w_k);
-    assert_eq!(layer.w_v(), w_v);
-    let causal = CausalAttention::from_weights(w_q, w_k, w_v).unwrap();
+    assert_eq!(layer.parameters().w_q.view(), w_q);
+    assert_eq!(layer.parameters().w_k.view(), w_k);
+    assert_eq!(layer.parameters().w_v.view(), w_v);
+    let causal = CausalAttention::from_projections(w_q, w_k, w_v).unwrap();
     assert_eq!(causal.config(), layer.config());
 }
 
@@ -254,7 +254,7 @@ fn hand_computed_single_position_is_its_value() {
     let w_q = Array2::from_elem((2, 2), 3.0_f64);
     let w_k = Array2::from_elem((2, 2), -1.0_f64);
     let w_v = ndarray::array![[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]];
-    let layer = Attention::from_weights(w_q, w_k, w_v).unwrap();
+    let layer = Attention::from_projections(w_q, w_k, w_v).unwrap();
     let x = ndarray::array![[1.0, -1.0]];
     assert_eq!(
         layer.forward(x.view()).unwrap(),
@@ -323,8 +323,8 @@ fn assert_error(
 }
 
 #[test]
-fn from_weights_w_k_rows_differ() {
-    let result = Attention::from_weights(
+fn from_projections_w_k_rows_differ() {
+    let result = Attention::from_projections(
         Array2::<f64>::zeros((4, 2)),
         Array2::zeros((3, 2)),
         Array2::zeros((4, 2)),
@@ -337,8 +337,8 @@ fn from_weights_w_k_rows_differ() {
 }
 
 #[test]
-fn from_weights_w_v_rows_differ() {
-    let result = CausalAttention::from_weights(
+fn from_projections_w_v_rows_differ() {
+    let result = CausalAttention::from_projections(
         Array2::<f64>::zeros((4, 2)),
         Array2::zeros((4, 2)),
         Array2::zeros((5, 3)),
@@ -347,8 +347,8 @@ fn from_weights_w_v_rows_differ() {
 }
 
 #[test]
-fn from_weights_d_k_columns_differ() {
-    let result = Attention::from_weights(
+fn from_projections_d_k_columns_differ() {
+    let result = Attention::from_projections(
         Array2::<f32>::zeros((4, 2)),
         Array2::zeros((4, 3)),
         Array2::zeros((4, 2)),
@@ -361,8 +361,8 @@ fn from_weights_d_k_columns_differ() {
 }
 
 #[test]
-fn from_weights_zero_d_model() {
-    let result = Attention::from_weights(
+fn from_projections_zero_d_model() {
+    let result = Attention::from_projections(
         Array2::<f64>::zeros((0, 2)),
         Array2::zeros((0, 2)),
         Array2::zeros((0, 2)),
@@ -371,8 +371,8 @@ fn from_weights_zero_d_model() {
 }
 
 #[test]
-fn from_weights_zero_d_k() {
-    let result = Attention::from_weights(
+fn from_projections_zero_d_k() {
+    let result = Attention::from_projections(
         Array2::<f64>::zeros((3, 0)),
         Array2::zeros((3, 0)),
         Array2::zeros((3, 2)),
@@ -381,8 +381,8 @@ fn from_weights_zero_d_k() {
 }
 
 #[test]
-fn from_weights_zero_d_v() {
-    let result = CausalAttention::from_weights(
+fn from_projections_zero_d_v() {
+    let result = CausalAttention::from_projections(
         Array2::<f64>::zeros((3, 2)),
         Array2::zeros((3, 2)),
         Array2::zeros((3, 0)),
@@ -518,10 +518,10 @@ fn filled<D: ndarray::Dimension, Sh: ndarray::ShapeBuilder<Dim = D>>(
 }
 
 /// Random weights (and biases, if the config has them) for `config`.
-fn random_weights(config: &AttentionConfig, seed: u64) -> AttentionWeights<f64> {
+fn random_parameters(config: &AttentionConfig, seed: u64) -> LayerParameters<f64> {
     let mut weights = Attention::<f64>::new_seeded(*config, seed)
         .unwrap()
-        .weights()
+        .parameters()
         .clone();
     if config.bias {
         // Seeded biases are zero; these are not, so the tests see them.
@@ -540,7 +540,7 @@ fn random_weights(config: &AttentionConfig, seed: u64) -> AttentionWeights<f64> 
 /// the output projection.
 fn multi_head_reference(
     config: &AttentionConfig,
-    weights: &AttentionWeights<f64>,
+    weights: &LayerParameters<f64>,
     x_q: ArrayView3<'_, f64>,
     x_kv: ArrayView3<'_, f64>,
     opts: &AttentionOptions<'_, f64>,
@@ -586,7 +586,7 @@ fn multi_head_case(
 ) -> impl Strategy<
     Value = (
         AttentionConfig,
-        AttentionWeights<f64>,
+        LayerParameters<f64>,
         Array3<f64>,
         Array3<f64>,
     ),
@@ -604,7 +604,7 @@ fn multi_head_case(
         .prop_flat_map(
             |(
                 (d_model, d_k, d_v, kv_heads, group),
-                (d_model_kv, d_out, bias),
+                (d_model_kv, d_model_out, bias),
                 (batch, len_q, len_kv, seed),
             )| {
                 let mut config = AttentionConfig::new(d_model, d_k, d_v)
@@ -612,8 +612,8 @@ fn multi_head_case(
                     .with_kv_heads(kv_heads)
                     .with_bias(bias);
                 config.d_model_kv = d_model_kv;
-                config.d_out = d_out;
-                let weights = random_weights(&config, seed);
+                config.d_model_out = d_model_out;
+                let weights = random_parameters(&config, seed);
                 (
                     Just(config),
                     Just(weights),
@@ -626,7 +626,7 @@ fn multi_head_case(
 
 /// [`multi_head_case`] for self-attention: a config, weights and inputs.
 fn self_attention_case()
--> impl Strategy<Value = (AttentionConfig, AttentionWeights<f64>, Array3<f64>)> {
+-> impl Strategy<Value = (AttentionConfig, LayerParameters<f64>, Array3<f64>)> {
     multi_head_case(false).prop_map(|(config, weights, x, _)| (config, weights, x))
 }
 
@@ -713,7 +713,7 @@ proptest! {
         let Some(w_o) = weights.w_o.clone() else { return Ok(()) };
         let with_output = Attention::new(config, weights.clone()).unwrap();
         let mut without_config = config;
-        without_config.d_out = None;
+        without_config.d_model_out = None;
         let mut without_weights = weights.clone();
         without_weights.w_o = None;
         without_weights.b_o = None;
@@ -737,7 +737,7 @@ proptest! {
     #[test]
     fn multi_head_f32_agrees_with_f64((config, weights, x) in self_attention_case(), causal in any::<bool>()) {
         let weights32 = {
-            let mut w = AttentionWeights::new(weights.w_q.mapv(|v| v as f32), weights.w_k.mapv(|v| v as f32), weights.w_v.mapv(|v| v as f32));
+            let mut w = LayerParameters::new(weights.w_q.mapv(|v| v as f32), weights.w_k.mapv(|v| v as f32), weights.w_v.mapv(|v| v as f32));
             w.w_o = weights.w_o.as_ref().map(|m| m.mapv(|v| v as f32));
             w.b_q = weights.b_q.as_ref().map(|b| b.mapv(|v| v as f32));
             w.b_k = weights.b_k.as_ref().map(|b| b.mapv(|v| v as f32));
@@ -786,22 +786,23 @@ proptest! {
             w.dim() == dim && w.iter().all(|x| x.abs() <= bound)
         };
         let (d_model, heads, kv_heads) = (config.d_model, config.heads, config.kv_heads);
-        prop_assert!(within(a.w_q(), (d_model, heads * config.d_k)));
-        prop_assert!(within(a.w_k(), (d_model, kv_heads * config.d_k)));
-        prop_assert!(within(a.w_v(), (d_model, kv_heads * config.d_v)));
-        prop_assert_eq!(a.w_o().is_some(), config.d_out.is_some());
-        if let (Some(w_o), Some(d_out)) = (a.w_o(), config.d_out) {
-            prop_assert!(within(w_o, (heads * config.d_v, d_out)));
+        prop_assert!(within(a.parameters().w_q.view(), (d_model, heads * config.d_k)));
+        prop_assert!(within(a.parameters().w_k.view(), (d_model, kv_heads * config.d_k)));
+        prop_assert!(within(a.parameters().w_v.view(), (d_model, kv_heads * config.d_v)));
+        let p = a.parameters();
+        prop_assert_eq!(p.w_o.is_some(), config.d_model_out.is_some());
+        if let (Some(w_o), Some(d_model_out)) = (&p.w_o, config.d_model_out) {
+            prop_assert!(within(w_o.view(), (heads * config.d_v, d_model_out)));
         }
         // Biases start at zero and do not change the draws.
-        prop_assert_eq!(a.b_q().is_some(), config.bias);
-        prop_assert_eq!(a.b_o().is_some(), config.bias && config.d_out.is_some());
-        for b in [a.b_q(), a.b_k(), a.b_v(), a.b_o()].into_iter().flatten() {
+        prop_assert_eq!(p.b_q.is_some(), config.bias);
+        prop_assert_eq!(p.b_o.is_some(), config.bias && config.d_model_out.is_some());
+        for b in [&p.b_q, &p.b_k, &p.b_v, &p.b_o].into_iter().flatten() {
             prop_assert!(b.iter().all(|&x| x == 0.0));
         }
         let without_bias = CausalAttention::<f64>::new_seeded(config.with_bias(!config.bias), seed).unwrap();
-        prop_assert_eq!(without_bias.w_q(), a.w_q());
-        prop_assert_eq!(without_bias.w_o(), a.w_o());
+        prop_assert_eq!(without_bias.parameters().w_q.view(), a.parameters().w_q.view());
+        prop_assert_eq!(&without_bias.parameters().w_o, &p.w_o);
     }
 }
 
@@ -810,22 +811,22 @@ fn a_single_head_config_is_the_seed_layer() {
     let config = AttentionConfig::new(5, 3, 4);
     assert_eq!((config.heads, config.kv_heads), (1, 1));
     assert_eq!(
-        (config.d_model_kv, config.d_out, config.bias),
+        (config.d_model_kv, config.d_model_out, config.bias),
         (None, None, false)
     );
     assert_eq!(config.output_width(), 4);
     assert_eq!(config.kv_input_width(), 5);
     let seeded = Attention::<f64>::new_seeded(config, 3).unwrap();
-    let rebuilt = Attention::new(config, seeded.weights().clone()).unwrap();
-    let from_weights = Attention::from_weights(
-        seeded.w_q().to_owned(),
-        seeded.w_k().to_owned(),
-        seeded.w_v().to_owned(),
+    let rebuilt = Attention::new(config, seeded.parameters().clone()).unwrap();
+    let from_projections = Attention::from_projections(
+        seeded.parameters().w_q.view().to_owned(),
+        seeded.parameters().w_k.view().to_owned(),
+        seeded.parameters().w_v.view().to_owned(),
     )
     .unwrap();
     assert_eq!(rebuilt, seeded);
-    assert_eq!(from_weights, seeded);
-    assert!(seeded.w_o().is_none() && seeded.b_q().is_none());
+    assert_eq!(from_projections, seeded);
+    assert!(seeded.parameters().w_o.is_none() && seeded.parameters().b_q.is_none());
 }
 
 #[test]
@@ -857,7 +858,7 @@ fn hand_computed_two_heads() {
         .with_output_projection(2);
     let eye = Array2::<f64>::eye(2);
     let swap = ndarray::array![[0.0, 1.0], [1.0, 0.0]];
-    let weights = AttentionWeights::new(eye.clone(), eye.clone(), eye).with_output(swap);
+    let weights = LayerParameters::new(eye.clone(), eye.clone(), eye).with_output(swap);
     let layer = Attention::new(config, weights).unwrap();
     // Two positions: head 0 sees scores x0_i·x0_j, head 1 x1_i·x1_j.
     let x = ndarray::array![[1.0, 0.0], [0.0, 2.0]];
@@ -883,7 +884,7 @@ fn biases_are_added_to_each_projection() {
     let config = AttentionConfig::new(3, 2, 2)
         .with_output_projection(1)
         .with_bias(true);
-    let weights = AttentionWeights::new(
+    let weights = LayerParameters::new(
         Array2::<f64>::zeros((3, 2)),
         Array2::zeros((3, 2)),
         Array2::zeros((3, 2)),
@@ -937,8 +938,8 @@ fn two_head_config() -> AttentionConfig {
         .with_bias(true)
 }
 
-fn two_head_weights() -> AttentionWeights<f64> {
-    random_weights(&two_head_config(), 9)
+fn two_head_parameters() -> LayerParameters<f64> {
+    random_parameters(&two_head_config(), 9)
 }
 
 #[test]
@@ -972,12 +973,12 @@ fn new_heads_not_a_multiple_of_kv_heads() {
 }
 
 #[test]
-fn new_zero_d_out() {
+fn new_zero_d_model_out() {
     let config = AttentionConfig::new(4, 2, 2).with_output_projection(0);
     assert_error(
         Attention::<f64>::new_seeded(config, 0),
         ErrorKind::ZeroDimension,
-        &["d_out = Some(0)"],
+        &["d_model_out = Some(0)"],
     );
 }
 
@@ -993,7 +994,7 @@ fn new_zero_d_model_kv() {
 
 #[test]
 fn new_w_q_for_another_head_count() {
-    let mut weights = two_head_weights();
+    let mut weights = two_head_parameters();
     weights.w_q = Array2::zeros((4, 3));
     assert_error(
         Attention::new(two_head_config(), weights),
@@ -1008,7 +1009,7 @@ fn new_w_q_for_another_head_count() {
 
 #[test]
 fn new_w_k_wrong_rows() {
-    let mut weights = two_head_weights();
+    let mut weights = two_head_parameters();
     weights.w_k = Array2::zeros((3, 6));
     assert_error(
         CausalAttention::new(two_head_config(), weights),
@@ -1025,7 +1026,7 @@ fn new_w_k_for_grouped_query_heads() {
     // One key/value head needs w_k [4, 3], not the [4, 6] of two.
     let config = two_head_config().with_kv_heads(1);
     assert_error(
-        Attention::new(config, two_head_weights()),
+        Attention::new(config, two_head_parameters()),
         ErrorKind::ShapeMismatch,
         &["w_k has shape [4, 6]", "= [4, 3]", "kv_heads = 1"],
     );
@@ -1033,7 +1034,7 @@ fn new_w_k_for_grouped_query_heads() {
 
 #[test]
 fn new_w_v_wrong_columns() {
-    let mut weights = two_head_weights();
+    let mut weights = two_head_parameters();
     weights.w_v = Array2::zeros((4, 5));
     assert_error(
         Attention::new(two_head_config(), weights),
@@ -1047,18 +1048,18 @@ fn new_w_v_wrong_columns() {
 
 #[test]
 fn new_w_o_wrong_shape() {
-    let mut weights = two_head_weights();
+    let mut weights = two_head_parameters();
     weights.w_o = Some(Array2::zeros((5, 4)));
     assert_error(
         Attention::new(two_head_config(), weights),
         ErrorKind::ShapeMismatch,
-        &["w_o has shape [5, 4]", "[heads·d_v, d_out] = [4, 5]"],
+        &["w_o has shape [5, 4]", "[heads·d_v, d_model_out] = [4, 5]"],
     );
 }
 
 #[test]
 fn new_w_o_missing() {
-    let mut weights = two_head_weights();
+    let mut weights = two_head_parameters();
     weights.w_o = None;
     weights.b_o = None;
     assert_error(
@@ -1071,19 +1072,19 @@ fn new_w_o_missing() {
 #[test]
 fn new_w_o_given_without_an_output_projection() {
     let mut config = two_head_config();
-    config.d_out = None;
-    let mut weights = two_head_weights();
+    config.d_model_out = None;
+    let mut weights = two_head_parameters();
     weights.b_o = None;
     assert_error(
         CausalAttention::new(config, weights),
         ErrorKind::ShapeMismatch,
-        &["w_o [4, 5] was given", "d_out = None"],
+        &["w_o [4, 5] was given", "d_model_out = None"],
     );
 }
 
 #[test]
 fn new_bias_wrong_length() {
-    let mut weights = two_head_weights();
+    let mut weights = two_head_parameters();
     weights.b_v = Some(ndarray::Array1::zeros(6));
     assert_error(
         Attention::new(two_head_config(), weights),
@@ -1094,7 +1095,7 @@ fn new_bias_wrong_length() {
 
 #[test]
 fn new_bias_missing() {
-    let mut weights = two_head_weights();
+    let mut weights = two_head_parameters();
     weights.b_k = None;
     assert_error(
         Attention::new(two_head_config(), weights),
@@ -1105,7 +1106,7 @@ fn new_bias_missing() {
 
 #[test]
 fn new_bias_given_without_bias_in_the_config() {
-    let weights = two_head_weights();
+    let weights = two_head_parameters();
     assert_error(
         Attention::new(two_head_config().with_bias(false), weights),
         ErrorKind::ShapeMismatch,
@@ -1115,7 +1116,7 @@ fn new_bias_given_without_bias_in_the_config() {
 
 #[test]
 fn new_output_bias_wrong_length() {
-    let mut weights = two_head_weights();
+    let mut weights = two_head_parameters();
     weights.b_o = Some(ndarray::Array1::zeros(4));
     assert_error(
         CausalAttention::new(two_head_config(), weights),
@@ -1148,7 +1149,7 @@ fn self_attention_on_a_cross_attention_layer() {
 
 #[test]
 fn forward_cross_query_width() {
-    let layer = Attention::new(two_head_config(), two_head_weights()).unwrap();
+    let layer = Attention::new(two_head_config(), two_head_parameters()).unwrap();
     let (x_q, x_kv) = (Array3::zeros((1, 2, 5)), Array3::zeros((1, 3, 4)));
     assert_error(
         layer.forward_cross(x_q.view(), x_kv.view()),
@@ -1171,7 +1172,7 @@ fn forward_cross_key_value_width() {
 
 #[test]
 fn forward_cross_batch_sizes_differ() {
-    let layer = Attention::new(two_head_config(), two_head_weights()).unwrap();
+    let layer = Attention::new(two_head_config(), two_head_parameters()).unwrap();
     let (x_q, x_kv) = (Array3::zeros((2, 2, 4)), Array3::zeros((3, 3, 4)));
     assert_error(
         layer.forward_cross(x_q.view(), x_kv.view()),
@@ -1182,7 +1183,7 @@ fn forward_cross_batch_sizes_differ() {
 
 #[test]
 fn forward_with_a_mask_for_another_head_count() {
-    let layer = CausalAttention::new(two_head_config(), two_head_weights()).unwrap();
+    let layer = CausalAttention::new(two_head_config(), two_head_parameters()).unwrap();
     let x = Array3::zeros((1, 3, 4));
     let keep = Array4::from_elem((1, 3, 3, 3), true);
     assert_error(
@@ -1198,7 +1199,7 @@ fn forward_with_a_mask_for_another_head_count() {
 /// [`multi_head_reference`], then `sdpa::core::attention_weights`.
 fn weights_reference(
     config: &AttentionConfig,
-    weights: &AttentionWeights<f64>,
+    weights: &LayerParameters<f64>,
     x_q: ArrayView3<'_, f64>,
     x_kv: ArrayView3<'_, f64>,
     opts: &AttentionOptions<'_, f64>,
@@ -1275,7 +1276,7 @@ proptest! {
     #[test]
     fn weights_times_values_is_the_output_without_an_output_projection((config, weights, x) in self_attention_case()) {
         let mut config = config;
-        config.d_out = None;
+        config.d_model_out = None;
         let mut weights = weights;
         weights.w_o = None;
         weights.b_o = None;
@@ -1327,8 +1328,8 @@ fn weights_follow_the_window_option() {
 
 #[test]
 fn weights_methods_report_bad_shapes() {
-    let layer = Attention::new(two_head_config(), two_head_weights()).unwrap();
-    let causal = CausalAttention::new(two_head_config(), two_head_weights()).unwrap();
+    let layer = Attention::new(two_head_config(), two_head_parameters()).unwrap();
+    let causal = CausalAttention::new(two_head_config(), two_head_parameters()).unwrap();
     let opts = AttentionOptions::new();
     let wide = Array2::zeros((3, 5));
     assert_error(

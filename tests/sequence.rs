@@ -6,20 +6,17 @@ use approx::assert_abs_diff_eq;
 use ndarray::{Array2, Array4, ArrayView2, Axis, array};
 use proptest::prelude::*;
 use sdpa::{
-    AttentionOptions, CausalAlignment, ErrorKind, Masking, scaled_dot_product_attention,
+    AttentionOptions, CausalAlignment, ErrorKind, scaled_dot_product_attention,
     simple_self_attention, single_sequence_attention,
 };
 
 /// The seed's simplest self-attention written out as sums:
 /// `y_i = Σ_{j visible} softmax_j(x_i · x_j) x_j`, visible `j ≤ i` when causal.
-fn simple_by_loops(x: ArrayView2<'_, f64>, masking: Masking) -> Array2<f64> {
+fn simple_by_loops(x: ArrayView2<'_, f64>, causal: bool) -> Array2<f64> {
     let (len, d) = x.dim();
     let mut y = Array2::zeros((len, d));
     for i in 0..len {
-        let visible = match masking {
-            Masking::Causal => i + 1,
-            Masking::Bidirectional => len,
-        };
+        let visible = if causal { i + 1 } else { len };
         let scores: Vec<f64> = (0..visible)
             .map(|j| (0..d).map(|c| x[[i, c]] * x[[j, c]]).sum())
             .collect();
@@ -44,10 +41,6 @@ fn sequence() -> impl Strategy<Value = Array2<f64>> {
     (0..9_usize, 1..7_usize).prop_flat_map(|(len, d)| matrix(len, d))
 }
 
-fn masking() -> impl Strategy<Value = Masking> {
-    prop_oneof![Just(Masking::Causal), Just(Masking::Bidirectional)]
-}
-
 /// `q [len_q, d_k]`, `k [len_kv, d_k]`, `v [len_kv, d_v]`.
 fn qkv() -> impl Strategy<Value = (Array2<f64>, Array2<f64>, Array2<f64>)> {
     (0..7_usize, 0..7_usize, 1..6_usize, 1..6_usize).prop_flat_map(|(len_q, len_kv, d_k, d_v)| {
@@ -61,18 +54,18 @@ fn to_4d(x: &Array2<f64>) -> Array4<f64> {
 
 proptest! {
     #[test]
-    fn simple_self_attention_is_the_seed_formula(x in sequence(), masking in masking()) {
-        let y = simple_self_attention(x.view(), masking).unwrap();
-        let expected = simple_by_loops(x.view(), masking);
+    fn simple_self_attention_is_the_seed_formula(x in sequence(), causal in any::<bool>()) {
+        let y = simple_self_attention(x.view(), causal).unwrap();
+        let expected = simple_by_loops(x.view(), causal);
         prop_assert_eq!(y.dim(), x.dim());
         assert_abs_diff_eq!(y, expected, epsilon = 1e-12);
     }
 
     #[test]
-    fn simple_self_attention_f32_agrees_with_f64(x in sequence(), masking in masking()) {
+    fn simple_self_attention_f32_agrees_with_f64(x in sequence(), causal in any::<bool>()) {
         let x32 = x.mapv(|v| v as f32);
-        let y32 = simple_self_attention(x32.view(), masking).unwrap();
-        let y64 = simple_self_attention(x.view(), masking).unwrap();
+        let y32 = simple_self_attention(x32.view(), causal).unwrap();
+        let y64 = simple_self_attention(x.view(), causal).unwrap();
         assert_abs_diff_eq!(y32.mapv(f64::from), y64, epsilon = 1e-4);
     }
 
@@ -82,10 +75,10 @@ proptest! {
         if len < 2 {
             return Ok(());
         }
-        let y = simple_self_attention(x.view(), Masking::Causal).unwrap();
+        let y = simple_self_attention(x.view(), true).unwrap();
         let mut changed = x.clone();
         changed.row_mut(len - 1).mapv_inplace(|v| v + noise);
-        let y_changed = simple_self_attention(changed.view(), Masking::Causal).unwrap();
+        let y_changed = simple_self_attention(changed.view(), true).unwrap();
         prop_assert_eq!(y.slice(ndarray::s![..len - 1, ..]), y_changed.slice(ndarray::s![..len - 1, ..]));
     }
 
@@ -135,7 +128,7 @@ proptest! {
 fn simple_self_attention_uses_raw_dot_products() {
     // Scores for the last row are 1, 1, 2: unscaled weights 0.212, 0.212, 0.576.
     let x = array![[1.0_f64, 0.0], [0.0, 1.0], [1.0, 1.0]];
-    let y = simple_self_attention(x.view(), Masking::Causal).unwrap();
+    let y = simple_self_attention(x.view(), true).unwrap();
     let e = 1.0_f64.exp();
     let weights = [e, e, e * e].map(|w| w / (2.0 * e + e * e));
     assert_abs_diff_eq!(weights[2], 0.576, epsilon = 5e-4);
@@ -149,8 +142,8 @@ fn simple_self_attention_uses_raw_dot_products() {
 #[test]
 fn simple_bidirectional_first_row_sees_the_future() {
     let x = array![[1.0_f64, 0.0], [5.0, 0.0]];
-    let causal = simple_self_attention(x.view(), Masking::Causal).unwrap();
-    let bidirectional = simple_self_attention(x.view(), Masking::Bidirectional).unwrap();
+    let causal = simple_self_attention(x.view(), true).unwrap();
+    let bidirectional = simple_self_attention(x.view(), false).unwrap();
     assert_eq!(causal.row(0), x.row(0));
     assert!(bidirectional[[0, 0]] > 4.0);
 }
@@ -158,7 +151,7 @@ fn simple_bidirectional_first_row_sees_the_future() {
 #[test]
 fn simple_empty_sequence_is_empty() {
     let x = Array2::<f32>::zeros((0, 3));
-    let y = simple_self_attention(x.view(), Masking::Causal).unwrap();
+    let y = simple_self_attention(x.view(), true).unwrap();
     assert_eq!(y.dim(), (0, 3));
 }
 
@@ -186,7 +179,7 @@ fn single_sequence_empty_keys_give_zeros() {
 #[test]
 fn simple_zero_width_is_an_error() {
     let x = Array2::<f64>::zeros((3, 0));
-    let err = simple_self_attention(x.view(), Masking::Bidirectional).unwrap_err();
+    let err = simple_self_attention(x.view(), false).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::ZeroDimension);
     assert!(err.to_string().contains("[3, 0]"), "{err}");
 }

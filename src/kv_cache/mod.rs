@@ -21,14 +21,20 @@
 //! against the held entries unrolled into position order followed by the
 //! new ones, with the window option giving each its own range.
 //!
-//! This module only stores and copies; the attention is
+//! This file holds the type and the growing mode; `ring` the ring's slot
+//! arithmetic, unrolling and truncation; `check` the checks of every
+//! argument. They only store and copy; the attention is
 //! [`crate::scaled_dot_product_attention_into`].
+
+mod check;
+mod ring;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4, Axis, s};
 
 use crate::element::Element;
-use crate::error::{AttentionError, ErrorKind, shape_error};
+use crate::error::{AttentionError, ErrorKind};
 use crate::options::AttentionOptions;
+use check::check_dims;
 
 /// The keys and values of `batch` sequences being decoded, for incremental
 /// (token by token) attention: `[batch, kv_heads, len, d_k]` keys and
@@ -289,34 +295,14 @@ impl<F: Element> KvCache<F> {
         if total_len >= self.total_len {
             return Ok(());
         }
-        let Some(window) = self.window else {
-            self.len = total_len;
-            self.total_len = total_len;
-            return Ok(());
-        };
-        let first_held = self.total_len - self.len;
-        let kept = total_len.saturating_sub(first_held);
-        let needed = total_len.min(window - 1);
-        if kept < needed {
-            return Err(AttentionError::new(
-                ErrorKind::InvalidOption,
-                format!(
-                    "cannot truncate a ring-buffer cache (window {window}) to {total_len} \
-                     positions: it holds positions {first_held}..{}, and the next query would \
-                     need positions {}..{total_len}",
-                    self.total_len,
-                    total_len - needed
-                ),
-            ));
+        match self.window {
+            None => {
+                self.len = total_len;
+                self.total_len = total_len;
+                Ok(())
+            }
+            Some(window) => self.truncate_ring(total_len, window),
         }
-        // Keep positions first_held..total_len, unrolled into slots 0.. so
-        // that the ring, no longer full, holds a prefix of its slots.
-        self.keys = self.unrolled(&self.keys, kept, window);
-        self.values = self.unrolled(&self.values, kept, window);
-        self.len = kept;
-        self.total_len = total_len;
-        self.oldest_slot = 0;
-        Ok(())
     }
 
     /// Appends the keys `k` `[batch, kv_heads, n, d_k]` and values `v`
@@ -386,6 +372,25 @@ impl<F: Element> KvCache<F> {
     ) -> Result<(), AttentionError> {
         self.check_new(&k, &v)?;
         self.check_queries(&q, &k, out.shape())?;
+        self.attend_into_prechecked(q, k, v, out)
+    }
+
+    /// [`attend_into`](Self::attend_into) for a caller whose `q`, `k`, `v`
+    /// and `out` fit the cache by construction: a layer's decoding step,
+    /// whose config was validated once and matched to the cache, so the
+    /// argument checks (heads a multiple of `kv_heads` among them) are not
+    /// made again.
+    pub(crate) fn attend_into_prechecked(
+        &mut self,
+        q: ArrayView4<'_, F>,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+        out: ArrayViewMut4<'_, F>,
+    ) -> Result<(), AttentionError> {
+        debug_assert!(
+            self.check_new(&k, &v).is_ok() && self.check_queries(&q, &k, out.shape()).is_ok(),
+            "the caller promised arguments that fit the cache"
+        );
         let n = q.len_of(Axis(2));
         if n == 0 {
             return Ok(());
@@ -398,27 +403,7 @@ impl<F: Element> KvCache<F> {
                 self.push(k, v);
                 self.attend_held(q, &AttentionOptions::new(), out)
             }
-            Some(window) => {
-                // Several new tokens need different ranges: the held
-                // entries in position order, then the new ones, under the
-                // window option. Written to the ring only afterwards, as
-                // they would overwrite entries the first new queries see.
-                let opts = AttentionOptions::new().window(window);
-                if self.len == 0 {
-                    crate::scaled_dot_product_attention_into(q, k, v, &opts, out)?;
-                } else {
-                    let (keys, values) = self.unrolled_with(&k, &v);
-                    crate::scaled_dot_product_attention_into(
-                        q,
-                        keys.view(),
-                        values.view(),
-                        &opts,
-                        out,
-                    )?;
-                }
-                self.push(k, v);
-                Ok(())
-            }
+            Some(window) => self.attend_several_in_ring(q, k, v, window, out),
             None => {
                 self.push(k, v);
                 self.attend_held(q, &AttentionOptions::new().causal(), out)
@@ -436,36 +421,6 @@ impl<F: Element> KvCache<F> {
         crate::scaled_dot_product_attention_into(q, self.keys(), self.values(), opts, out)
     }
 
-    /// The entries held in position order, followed by `k`, `v`.
-    fn unrolled_with(
-        &self,
-        k: &ArrayView4<'_, F>,
-        v: &ArrayView4<'_, F>,
-    ) -> (Array4<F>, Array4<F>) {
-        let room = self.len + k.len_of(Axis(2));
-        let mut keys = self.unrolled(&self.keys, self.len, room);
-        let mut values = self.unrolled(&self.values, self.len, room);
-        keys.slice_mut(s![.., .., self.len.., ..]).assign(k);
-        values.slice_mut(s![.., .., self.len.., ..]).assign(v);
-        (keys, values)
-    }
-
-    /// A copy of `buffer` (the keys' or the values') with room for `room`
-    /// entries, holding its oldest `count` entries in position order in
-    /// `0..count`. The entries run from the oldest slot to the end of the
-    /// buffer, then from its start.
-    fn unrolled(&self, buffer: &Array4<F>, count: usize, room: usize) -> Array4<F> {
-        let (batch, kv_heads, capacity, d) = buffer.dim();
-        let mut out = Array4::zeros((batch, kv_heads, room, d));
-        let oldest = self.oldest_slot;
-        let to_end = (capacity - oldest).min(count);
-        out.slice_mut(s![.., .., ..to_end, ..])
-            .assign(&buffer.slice(s![.., .., oldest..oldest + to_end, ..]));
-        out.slice_mut(s![.., .., to_end..count, ..])
-            .assign(&buffer.slice(s![.., .., ..count - to_end, ..]));
-        out
-    }
-
     /// Stores checked `k`, `v` as the next positions.
     fn push(&mut self, k: ArrayView4<'_, F>, v: ArrayView4<'_, F>) {
         let n = k.len_of(Axis(2));
@@ -480,26 +435,7 @@ impl<F: Element> KvCache<F> {
                 self.values.slice_mut(range).assign(&v);
                 self.len = needed;
             }
-            Some(window) => {
-                // Only the last `window` new positions survive.
-                let skip = n.saturating_sub(window);
-                for t in skip..n {
-                    let slot = if self.len < window {
-                        self.len += 1;
-                        self.len - 1
-                    } else {
-                        let slot = self.oldest_slot;
-                        self.oldest_slot = (slot + 1) % window;
-                        slot
-                    };
-                    self.keys
-                        .slice_mut(s![.., .., slot, ..])
-                        .assign(&k.slice(s![.., .., t, ..]));
-                    self.values
-                        .slice_mut(s![.., .., slot, ..])
-                        .assign(&v.slice(s![.., .., t, ..]));
-                }
-            }
+            Some(window) => self.push_into_ring(k, v, window),
         }
         self.total_len += n;
     }
@@ -518,91 +454,4 @@ impl<F: Element> KvCache<F> {
         self.keys = keys;
         self.values = values;
     }
-
-    /// Checks new keys and values against the cache and each other.
-    fn check_new(
-        &self,
-        k: &ArrayView4<'_, F>,
-        v: &ArrayView4<'_, F>,
-    ) -> Result<(), AttentionError> {
-        let (ks, vs) = (k.shape(), v.shape());
-        let cache = [self.batch(), self.kv_heads(), self.d_k(), self.d_v()];
-        let fits = ks[0] == cache[0]
-            && vs[0] == cache[0]
-            && ks[1] == cache[1]
-            && vs[1] == cache[1]
-            && ks[3] == cache[2]
-            && vs[3] == cache[3]
-            && ks[2] == vs[2];
-        if !fits {
-            return Err(shape_error(format!(
-                "k {ks:?} = [batch, kv_heads, n, d_k] and v {vs:?} = [batch, kv_heads, n, d_v] \
-                 do not fit the cache: batch = {}, kv_heads = {}, d_k = {}, d_v = {}, and the \
-                 same n for both",
-                cache[0], cache[1], cache[2], cache[3]
-            )));
-        }
-        Ok(())
-    }
-
-    /// Checks the queries of a step against the new keys and `out`.
-    fn check_queries(
-        &self,
-        q: &ArrayView4<'_, F>,
-        k: &ArrayView4<'_, F>,
-        out: &[usize],
-    ) -> Result<(), AttentionError> {
-        let (qs, ks) = (q.shape(), k.shape());
-        let layouts = || {
-            format!(
-                "q {qs:?} = [batch, heads, n, d_k], k {ks:?} = [batch, kv_heads, n, d_k], \
-                 cache d_v = {}",
-                self.d_v()
-            )
-        };
-        if qs[0] != ks[0] || qs[2] != ks[2] || qs[3] != ks[3] {
-            return Err(shape_error(format!(
-                "q and k disagree on batch, n or d_k: {}",
-                layouts()
-            )));
-        }
-        if qs[1] == 0 {
-            return Err(AttentionError::new(
-                ErrorKind::ZeroDimension,
-                format!("heads must be positive: {}", layouts()),
-            ));
-        }
-        if !qs[1].is_multiple_of(ks[1]) {
-            return Err(AttentionError::new(
-                ErrorKind::HeadsNotDivisible,
-                format!(
-                    "heads ({}) must be a multiple of kv_heads ({}): {}",
-                    qs[1],
-                    ks[1],
-                    layouts()
-                ),
-            ));
-        }
-        let expected = [qs[0], qs[1], qs[2], self.d_v()];
-        if out != expected {
-            return Err(shape_error(format!(
-                "out has shape {out:?} but the output is [batch, heads, n, d_v] = {expected:?}: {}",
-                layouts()
-            )));
-        }
-        Ok(())
-    }
-}
-
-fn check_dims(kv_heads: usize, d_k: usize, d_v: usize) -> Result<(), AttentionError> {
-    if kv_heads == 0 || d_k == 0 || d_v == 0 {
-        return Err(AttentionError::new(
-            ErrorKind::ZeroDimension,
-            format!(
-                "kv_heads, d_k and d_v must be positive, got kv_heads = {kv_heads}, d_k = {d_k}, \
-                 d_v = {d_v}"
-            ),
-        ));
-    }
-    Ok(())
 }

@@ -1,0 +1,273 @@
+//! The data path every pass of a layer shares: the input checks, the
+//! projections, the head split, the attention call and the output
+//! projection. `forward`, `decode` and `backward` are built from these.
+//!
+//! The data path of a forward call, with `b` batch items, `h` heads and
+//! `g` key/value heads:
+//!
+//! ```text
+//! x_q [b, len_q, d_model] · W^Q (+ b_q)  → q [b, len_q, h·d_k]  ─┐ views, no copies:
+//! x_kv [b, len_kv, d_model_kv] · W^K     → k [b, len_kv, g·d_k] ─┤ [b, len, h, d] permuted
+//! x_kv · W^V                             → v [b, len_kv, g·d_v] ─┘ to [b, h, len, d]
+//! attention into a [b, len_q, h, d_v] buffer seen as [b, h, len_q, d_v]
+//!   → that buffer *is* the concatenated heads [b, len_q, h·d_v]
+//!   → · W^O (+ b_o) when there is an output projection
+//! ```
+//!
+//! The single-head layer of the seed is the case `h = g = 1` with no
+//! output projection.
+
+use ndarray::{
+    Array1, Array2, Array3, Array4, ArrayView2, ArrayView3, ArrayView4, Axis, ShapeError,
+};
+
+use super::Layer;
+use super::config::describe_config;
+use crate::element::Element;
+use crate::error::{AttentionError, shape_error};
+use crate::options::AttentionOptions;
+
+impl<F: Element> Layer<F> {
+    /// The projections of one sequence `x` `[len, d_model]` for
+    /// self-attention, as batch item 0 of a batch of 1.
+    pub(super) fn project_sequence(
+        &self,
+        x: ArrayView2<'_, F>,
+    ) -> Result<Projected<F>, AttentionError> {
+        // Checked here so the message speaks of the caller's 2-D shape.
+        self.check_query_width("x", x.shape(), "[len, d_model]")?;
+        self.project_batch(x.insert_axis(Axis(0)))
+    }
+
+    /// The projections of a batch `x` `[batch, len, d_model]` for
+    /// self-attention.
+    pub(super) fn project_batch(
+        &self,
+        x: ArrayView3<'_, F>,
+    ) -> Result<Projected<F>, AttentionError> {
+        self.check_query_width("x", x.shape(), "[batch, len, d_model]")?;
+        self.check_self_attention()?;
+        self.project_all(x, x)
+    }
+
+    /// The projections for cross-attention: queries from `x_q`
+    /// `[batch, len_q, d_model]`, keys and values from `x_kv`
+    /// `[batch, len_kv, d_model_kv]`.
+    pub(super) fn project_cross(
+        &self,
+        x_q: ArrayView3<'_, F>,
+        x_kv: ArrayView3<'_, F>,
+    ) -> Result<Projected<F>, AttentionError> {
+        self.check_query_width("x_q", x_q.shape(), "[batch, len_q, d_model]")?;
+        self.check_kv_width("x_kv", x_kv.shape(), "[batch, len_kv, d_model_kv]")?;
+        if x_q.len_of(Axis(0)) != x_kv.len_of(Axis(0)) {
+            return Err(shape_error(format!(
+                "batch sizes differ: x_q {:?} = [batch, len_q, d_model], \
+                 x_kv {:?} = [batch, len_kv, d_model_kv]",
+                x_q.shape(),
+                x_kv.shape()
+            )));
+        }
+        self.project_all(x_q, x_kv)
+    }
+
+    /// `x_q · W^Q + b_q`, `x_kv · W^K + b_k`, `x_kv · W^V + b_v`.
+    pub(super) fn project_all(
+        &self,
+        x_q: ArrayView3<'_, F>,
+        x_kv: ArrayView3<'_, F>,
+    ) -> Result<Projected<F>, AttentionError> {
+        let w = &self.parameters;
+        Ok(Projected {
+            q: project(x_q, &w.w_q, w.b_q.as_ref())?,
+            k: project(x_kv, &w.w_k, w.b_k.as_ref())?,
+            v: project(x_kv, &w.w_v, w.b_v.as_ref())?,
+        })
+    }
+
+    /// The projections `[batch, len, heads·d]` as `[batch, heads, len, d]` views.
+    pub(super) fn split_all<'a>(
+        &self,
+        projected: &'a Projected<F>,
+    ) -> Result<Heads<'a, F>, AttentionError> {
+        let c = &self.config;
+        Ok(Heads {
+            q: split_heads(&projected.q, c.heads)?,
+            k: split_heads(&projected.k, c.kv_heads)?,
+            v: split_heads(&projected.v, c.kv_heads)?,
+        })
+    }
+
+    /// Attention of the projected queries over the projected keys and
+    /// values, then the output projection: `[batch, len_q, output_width]`.
+    pub(super) fn attend(
+        &self,
+        projected: &Projected<F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<Array3<F>, AttentionError> {
+        let Heads { q, k, v } = self.split_all(projected)?;
+        let (batch, len_q, _) = projected.q.dim();
+        // Laid out [batch, len_q, heads, d_v] and written through a
+        // [batch, heads, len_q, d_v] view, so the concatenated heads need no copy.
+        let mut heads_out = Array4::zeros((batch, len_q, self.config.heads, self.config.d_v));
+        crate::scaled_dot_product_attention_into(
+            q,
+            k,
+            v,
+            opts,
+            heads_out.view_mut().permuted_axes([0, 2, 1, 3]),
+        )?;
+        self.output(heads_out)
+    }
+
+    /// The attention weights of each head, `[batch, heads, len_q, len_kv]`,
+    /// by [`crate::core::attention_weights`] on the projected queries and
+    /// keys (which materialises `len_q × len_kv` per head).
+    pub(super) fn attention_weights(
+        &self,
+        projected: &Projected<F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<Array4<F>, AttentionError> {
+        let Heads { q, k, .. } = self.split_all(projected)?;
+        crate::core::attention_weights(q, k, opts)
+    }
+
+    /// `[batch, len, heads, d_v]` → concatenated `[batch, len, heads·d_v]`
+    /// → `· W^O + b_o` when there is an output projection.
+    pub(super) fn output(&self, heads_out: Array4<F>) -> Result<Array3<F>, AttentionError> {
+        let (batch, len, heads, d_v) = heads_out.dim();
+        let concatenated = heads_out
+            .into_shape_with_order((batch, len, heads * d_v))
+            .map_err(reshape_error)?;
+        match &self.parameters.w_o {
+            None => Ok(concatenated),
+            Some(w_o) => project(concatenated.view(), w_o, self.parameters.b_o.as_ref()),
+        }
+    }
+
+    fn check_self_attention(&self) -> Result<(), AttentionError> {
+        if self.config.kv_input_width() != self.config.d_model {
+            return Err(shape_error(format!(
+                "self-attention needs d_model_kv = d_model, but {}: this is a cross-attention \
+                 layer, call forward_cross",
+                describe_config(&self.config)
+            )));
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_query_width(
+        &self,
+        name: &str,
+        shape: &[usize],
+        layout: &str,
+    ) -> Result<(), AttentionError> {
+        self.check_width(name, shape, layout, "d_model", self.config.d_model)
+    }
+
+    fn check_kv_width(
+        &self,
+        name: &str,
+        shape: &[usize],
+        layout: &str,
+    ) -> Result<(), AttentionError> {
+        self.check_width(
+            name,
+            shape,
+            layout,
+            "d_model_kv",
+            self.config.kv_input_width(),
+        )
+    }
+
+    fn check_width(
+        &self,
+        name: &str,
+        shape: &[usize],
+        layout: &str,
+        width_name: &str,
+        width: usize,
+    ) -> Result<(), AttentionError> {
+        if shape[shape.len() - 1] != width {
+            let w = &self.parameters;
+            return Err(shape_error(format!(
+                "{name} has shape {shape:?} = {layout} but the layer's {width_name} is {width} \
+                 (w_q {:?}, w_k {:?}, w_v {:?})",
+                w.w_q.shape(),
+                w.w_k.shape(),
+                w.w_v.shape()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The projected queries, keys and values, `[batch, len, heads·d]`.
+#[derive(Debug, Clone)]
+pub(super) struct Projected<F> {
+    pub(super) q: Array3<F>,
+    pub(super) k: Array3<F>,
+    pub(super) v: Array3<F>,
+}
+
+/// [`Projected`] split into heads: `[batch, heads, len, d]` views.
+pub(super) struct Heads<'a, F> {
+    pub(super) q: ArrayView4<'a, F>,
+    pub(super) k: ArrayView4<'a, F>,
+    pub(super) v: ArrayView4<'a, F>,
+}
+
+/// Up to this many rows, [`project`] sums scaled rows of the weights
+/// instead of calling a matrix product.
+const FEW_ROWS: usize = 4;
+
+/// `x` `[batch, len, width]` `· w` `[width, cols]` `+ b`, as one matrix
+/// product over all positions of all batch items; `to_shape` is a view
+/// when the layout allows it.
+pub(super) fn project<F: Element>(
+    x: ArrayView3<'_, F>,
+    w: &Array2<F>,
+    b: Option<&Array1<F>>,
+) -> Result<Array3<F>, AttentionError> {
+    let (batch, len, width) = x.dim();
+    let rows = x.to_shape((batch * len, width)).map_err(reshape_error)?;
+    let mut out = if rows.nrows() <= FEW_ROWS && w.is_standard_layout() {
+        // out[i] = Σ_r x[i, r]·w[r, ..]: reads `w` once, row by row, where
+        // a matrix product would first copy all of it into packed panels.
+        // Decoding steps project one or a few rows at a time.
+        let mut out = Array2::zeros((rows.nrows(), w.ncols()));
+        for (x_column, w_row) in rows.columns().into_iter().zip(w.rows()) {
+            for (&x, mut out_row) in x_column.iter().zip(out.rows_mut()) {
+                out_row.scaled_add(x, &w_row);
+            }
+        }
+        out
+    } else {
+        rows.dot(w)
+    };
+    if let Some(b) = b {
+        // `rhs` broadcasts over the rows.
+        out.zip_mut_with(b, |o, &bias| *o = *o + bias);
+    }
+    out.into_shape_with_order((batch, len, w.ncols()))
+        .map_err(reshape_error)
+}
+
+/// `[batch, len, heads·d]` as `[batch, heads, len, d]`, a view of the same data.
+pub(super) fn split_heads<F>(
+    x: &Array3<F>,
+    heads: usize,
+) -> Result<ArrayView4<'_, F>, AttentionError> {
+    let (batch, len, width) = x.dim();
+    let split = x
+        .view()
+        .into_shape_with_order((batch, len, heads, width / heads))
+        .map_err(reshape_error)?;
+    Ok(split.permuted_axes([0, 2, 1, 3]))
+}
+
+/// The element counts always agree, so a reshape cannot fail; report it as
+/// an error rather than panic should that ever change.
+pub(super) fn reshape_error(err: ShapeError) -> AttentionError {
+    shape_error(format!("internal reshape of x failed: {err}"))
+}
