@@ -64,8 +64,10 @@ impl PackedHead {
         // Key j is column j % panel of panel j / panel, a `[width][panel]` block.
         for (j, key) in for_panels.rows().into_iter().enumerate() {
             let column = &mut self.panels[(j / panel) * panel * width + j % panel..];
-            for (packed, &x) in column.iter_mut().step_by(panel).zip(key.iter()) {
-                *packed = x;
+            let column = column.iter_mut().step_by(panel);
+            match key.as_slice() {
+                Some(key) => column.zip(key).for_each(|(packed, &x)| *packed = x),
+                None => column.zip(&key).for_each(|(packed, &x)| *packed = x),
             }
         }
         self.tile_has_nonfinite_rows.fill(false);
@@ -83,7 +85,8 @@ impl PackedHead {
                     .zip(row.iter())
                     .for_each(|(packed, &x)| *packed = x),
             }
-            if !packed.iter().all(|x| x.is_finite()) {
+            // Not `all`: without an early exit the check vectorizes.
+            if !packed.iter().fold(true, |finite, x| finite & x.is_finite()) {
                 self.tile_has_nonfinite_rows[j / KEY_TILE] = true;
             }
         }

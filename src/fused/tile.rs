@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use ndarray::{ArrayView2, ArrayViewMut1, ArrayViewMut2};
+use ndarray::{ArrayView2, ArrayViewMut1, ArrayViewMut2, s};
 
 use super::KEY_TILE;
 use crate::alloc::try_filled;
@@ -78,8 +78,25 @@ pub(crate) fn add_bias(scores: &mut [f32], at: &TilePosition, j0: usize, call: &
             return;
         };
         let scores = &mut scores[r * KEY_TILE..][..j1 - j0];
-        for (j, score) in (j0..j1).zip(scores) {
-            *score = biased(*score, bias_row[broadcast(bias_row.len(), offset + j)]);
+        if bias_row.len() == 1 {
+            let bias = bias_row[0];
+            scores
+                .iter_mut()
+                .for_each(|score| *score = biased(*score, bias));
+            continue;
+        }
+        let bias_row = bias_row.slice_move(s![offset + j0..offset + j1]);
+        match bias_row.as_slice() {
+            Some(bias) => {
+                for (score, &bias) in scores.iter_mut().zip(bias) {
+                    *score = biased(*score, bias);
+                }
+            }
+            None => {
+                for (score, &bias) in scores.iter_mut().zip(&bias_row) {
+                    *score = biased(*score, bias);
+                }
+            }
         }
     }
 }
@@ -90,9 +107,17 @@ pub(crate) fn mask(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call
     for r in 0..at.rows {
         let visible = call.visible_keys(at.b, at.h, at.i0 + r);
         let scores = &mut scores[r * KEY_TILE..][..KEY_TILE];
-        for (j, score) in (j0..).zip(scores) {
-            if !visible.contains(j) {
-                *score = f32::NEG_INFINITY;
+        // The visible range as columns of the tile: what lies outside it
+        // (including padding keys past len_kv) is filled whole.
+        let start = visible.start.saturating_sub(j0).min(KEY_TILE);
+        let end = visible.end.saturating_sub(j0).clamp(start, KEY_TILE);
+        scores[..start].fill(f32::NEG_INFINITY);
+        scores[end..].fill(f32::NEG_INFINITY);
+        if let Some(keep) = &visible.keep {
+            for (c, score) in scores.iter_mut().enumerate().take(end).skip(start) {
+                if !keep[broadcast(keep.len(), visible.key_offset + j0 + c)] {
+                    *score = f32::NEG_INFINITY;
+                }
             }
         }
     }
@@ -248,8 +273,17 @@ impl QueryTile {
             .take(at.rows)
             .zip(self.q.chunks_exact_mut(d_k))
         {
-            for (packed, &x) in packed.iter_mut().zip(query.iter()) {
-                *packed = call.scale * x;
+            match query.as_slice() {
+                Some(query) => {
+                    for (packed, &x) in packed.iter_mut().zip(query) {
+                        *packed = call.scale * x;
+                    }
+                }
+                None => {
+                    for (packed, &x) in packed.iter_mut().zip(&query) {
+                        *packed = call.scale * x;
+                    }
+                }
             }
         }
     }
@@ -277,8 +311,9 @@ impl QueryTile {
             let mut out_row = out_tile.row_mut(r);
             let lse = if sum != 0.0 {
                 // A NaN sum gives NaN in both.
-                for (y, &x) in out_row.iter_mut().zip(o) {
-                    *y = x / sum;
+                match out_row.as_slice_mut() {
+                    Some(out) => out.iter_mut().zip(o).for_each(|(y, &x)| *y = x / sum),
+                    None => out_row.iter_mut().zip(o).for_each(|(y, &x)| *y = x / sum),
                 }
                 self.max[r] + sum.ln()
             } else if call.has_unhidden_key(at.b, at.h, at.i0 + r, keys.clone()) {
