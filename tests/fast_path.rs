@@ -376,7 +376,7 @@ fn masked_nan_and_infinity_never_reach_the_output() {
 #[test]
 fn a_forced_kernel_set_the_cpu_lacks_is_an_error() {
     let x = Array4::<f32>::zeros((1, 1, 2, 2));
-    for set in KernelSet::ALL {
+    for &set in KernelSet::all() {
         let result = sdpa::scaled_dot_product_attention(
             x.view(),
             x.view(),

@@ -59,7 +59,7 @@ pub(crate) fn kernel_set(
 ) -> Result<simd::KernelSet, AttentionError> {
     match opts.kernel_set {
         Some(set) => simd::check_available(set),
-        None => simd::selected_kernel_set(),
+        None => simd::current_kernel_set(),
     }
 }
 
