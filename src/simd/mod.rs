@@ -261,6 +261,12 @@ fn unavailable(set: KernelSet) -> AttentionError {
 }
 
 /// Code generic over a kernel, run with the kernel set chosen at run time.
+///
+/// `run` itself is ordinary code, not compiled for the set's target
+/// features: the driver hands its work to rayon as closures, and a closure
+/// takes target features only from the function it is written in, so a
+/// trampoline around `run` would not reach the kernels. Each [`Kernel`]
+/// call enters the set's trampoline instead, once per tile.
 pub(crate) trait WithKernel {
     /// What the code returns.
     type Output;

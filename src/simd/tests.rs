@@ -277,7 +277,8 @@ impl WithKernel for TileCheck {
                 &alpha[..some],
                 &mut o,
             );
-            check_accumulated::<K>(&o, &o_start, &s, stride, &v, width, &alpha, some, keys);
+            let p = p.slice(ndarray::s![..some, ..keys]);
+            check_accumulated::<K>(&o, &o_start, p, v_rows, &alpha[..some]);
         }
         // The weights read transposed (the backward's Pᵀ·dO): keys × rows.
         let p = ArrayView2::from_shape((rows, stride), &s).unwrap();
@@ -307,24 +308,20 @@ impl WithKernel for TileCheck {
     }
 }
 
-/// `o` against `alpha·o_start + P·V` in f64, for the first `rows` rows.
-#[allow(clippy::too_many_arguments)]
+/// `o` against `alpha·o_start + p·v` in f64, for the `alpha.len()` rows.
 fn check_accumulated<K: Kernel>(
     o: &[f32],
     o_start: &[f32],
-    s: &[f32],
-    stride: usize,
-    v: &[f32],
-    width: usize,
+    p: ArrayView2<'_, f32>,
+    v: ArrayView2<'_, f32>,
     alpha: &[f32],
-    rows: usize,
-    keys: usize,
 ) {
-    for r in 0..rows {
+    let (keys, width) = v.dim();
+    for (r, &a) in alpha.iter().enumerate() {
         for c in 0..width {
-            let exact: f64 = alpha[r] as f64 * o_start[r * width + c] as f64
+            let exact: f64 = a as f64 * o_start[r * width + c] as f64
                 + (0..keys)
-                    .map(|j| s[r * stride + j] as f64 * v[j * width + c] as f64)
+                    .map(|j| p[(r, j)] as f64 * v[(j, c)] as f64)
                     .sum::<f64>();
             assert!(
                 (o[r * width + c] as f64 - exact).abs() < 1e-5 * keys as f64,
