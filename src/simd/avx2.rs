@@ -6,8 +6,15 @@
 
 use std::arch::x86_64::*;
 
-use super::kernels::impl_kernel;
+use super::kernel::{Kernel, KernelOp};
 use super::vector::Vector;
+
+/// Query rows per register tile.
+const ROWS: usize = 6;
+/// Vectors of keys per Q·Kᵀ register tile.
+const KEY_VECTORS: usize = 2;
+/// Vectors of value columns per P·V register tile.
+const VALUE_VECTORS: usize = 2;
 
 /// The AVX2 + FMA kernels; built only on a CPU that has both.
 #[derive(Debug, Clone, Copy)]
@@ -24,50 +31,83 @@ impl Avx2 {
     }
 }
 
-// SAFETY (every method): the trait's contract is that the CPU has AVX2 and
-// FMA, and pointers are valid for 8 `f32`s.
-impl Vector for __m256 {
+// SAFETY: `Avx2` is built only by `new`, which checks AVX2 and FMA, the
+// features `run_unchecked` enables; it runs the operation with `__m256` and
+// the tile sizes of the constants.
+unsafe impl Kernel for Avx2 {
+    type Vector = __m256;
+    #[cfg(test)]
+    const SET: super::KernelSet = super::KernelSet::Avx2;
+    const ROWS: usize = ROWS;
+    const KEY_PANEL: usize = KEY_VECTORS * <__m256 as Vector>::LANES;
+
+    #[inline(always)]
+    unsafe fn run_unchecked<Op: KernelOp>(op: Op) -> Op::Output {
+        #[target_feature(enable = "avx2,fma")]
+        fn trampoline<Op: KernelOp>(op: Op) -> Op::Output {
+            // SAFETY: this function is compiled for AVX2 and FMA, `__m256`'s
+            // instruction set, and runs only where the CPU has them.
+            unsafe { op.run::<__m256, ROWS, KEY_VECTORS, VALUE_VECTORS>() }
+        }
+        // SAFETY: the caller guarantees AVX2 and FMA.
+        unsafe { trampoline(op) }
+    }
+}
+
+// SAFETY: each method is one AVX2/FMA instruction sequence on registers,
+// and the pointer methods touch the 8 `f32`s at the pointer only.
+unsafe impl Vector for __m256 {
     const LANES: usize = 8;
 
     #[inline(always)]
     unsafe fn splat(x: f32) -> Self {
+        // SAFETY: AVX2 and FMA (the caller's).
         unsafe { _mm256_set1_ps(x) }
     }
     #[inline(always)]
     unsafe fn load(ptr: *const f32) -> Self {
+        // SAFETY: AVX2 and FMA, and 8 readable `f32`s at `ptr` (the caller's).
         unsafe { _mm256_loadu_ps(ptr) }
     }
     #[inline(always)]
     unsafe fn store(self, ptr: *mut f32) {
+        // SAFETY: AVX2 and FMA, and 8 writable `f32`s at `ptr` (the caller's).
         unsafe { _mm256_storeu_ps(ptr, self) }
     }
     #[inline(always)]
     unsafe fn add(self, other: Self) -> Self {
+        // SAFETY: AVX2 and FMA (the caller's).
         unsafe { _mm256_add_ps(self, other) }
     }
     #[inline(always)]
     unsafe fn sub(self, other: Self) -> Self {
+        // SAFETY: AVX2 and FMA (the caller's).
         unsafe { _mm256_sub_ps(self, other) }
     }
     #[inline(always)]
     unsafe fn mul(self, other: Self) -> Self {
+        // SAFETY: AVX2 and FMA (the caller's).
         unsafe { _mm256_mul_ps(self, other) }
     }
     #[inline(always)]
     unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+        // SAFETY: AVX2 and FMA (the caller's).
         unsafe { _mm256_fmadd_ps(self, b, c) }
     }
     #[inline(always)]
     unsafe fn max(self, other: Self) -> Self {
         // `maxps` is exactly `self > other ? self : other`.
+        // SAFETY: AVX2 and FMA (the caller's).
         unsafe { _mm256_max_ps(self, other) }
     }
     #[inline(always)]
     unsafe fn zero_where_less(self, threshold: Self, value: Self) -> Self {
+        // SAFETY: AVX2 and FMA (the caller's).
         unsafe { _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(self, threshold), value) }
     }
     #[inline(always)]
     unsafe fn exp2_int(self) -> Self {
+        // SAFETY: AVX2 and FMA (the caller's).
         unsafe {
             let n = _mm256_cvtps_epi32(self);
             _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
@@ -78,6 +118,7 @@ impl Vector for __m256 {
     }
     #[inline(always)]
     unsafe fn reduce_max(self) -> f32 {
+        // SAFETY: AVX2 and FMA (the caller's), which imply SSE3.
         unsafe {
             let x = _mm_max_ps(
                 _mm256_castps256_ps128(self),
@@ -89,6 +130,7 @@ impl Vector for __m256 {
     }
     #[inline(always)]
     unsafe fn reduce_sum(self) -> f32 {
+        // SAFETY: AVX2 and FMA (the caller's), which imply SSE3.
         unsafe {
             let x = _mm_add_ps(
                 _mm256_castps256_ps128(self),
@@ -100,12 +142,8 @@ impl Vector for __m256 {
     }
     #[inline(always)]
     unsafe fn prefetch(ptr: *const f32) {
+        // SAFETY: SSE (part of x86-64); a prefetch never faults, whatever
+        // the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.cast()) }
     }
 }
-
-impl_kernel!(
-    Avx2, crate::simd::KernelSet::Avx2, __m256,
-    score_tile: 6 x 2, value_tile: 6 x 2,
-    #[target_feature(enable = "avx2,fma")]
-);

@@ -6,8 +6,15 @@
 
 use std::arch::x86_64::*;
 
-use super::kernels::impl_kernel;
+use super::kernel::{Kernel, KernelOp};
 use super::vector::Vector;
+
+/// Query rows per register tile.
+const ROWS: usize = 6;
+/// Vectors of keys per Q·Kᵀ register tile.
+const KEY_VECTORS: usize = 2;
+/// Vectors of value columns per P·V register tile.
+const VALUE_VECTORS: usize = 4;
 
 /// The AVX-512F kernels; built only on a CPU that has AVX-512F.
 #[derive(Debug, Clone, Copy)]
@@ -24,50 +31,83 @@ impl Avx512 {
     }
 }
 
-// SAFETY (every method): the trait's contract is that the CPU has AVX-512F,
-// and pointers are valid for 16 `f32`s.
-impl Vector for __m512 {
+// SAFETY: `Avx512` is built only by `new`, which checks AVX-512F, the one
+// feature `run_unchecked` enables; it runs the operation with `__m512` and
+// the tile sizes of the constants.
+unsafe impl Kernel for Avx512 {
+    type Vector = __m512;
+    #[cfg(test)]
+    const SET: super::KernelSet = super::KernelSet::Avx512;
+    const ROWS: usize = ROWS;
+    const KEY_PANEL: usize = KEY_VECTORS * <__m512 as Vector>::LANES;
+
+    #[inline(always)]
+    unsafe fn run_unchecked<Op: KernelOp>(op: Op) -> Op::Output {
+        #[target_feature(enable = "avx512f")]
+        fn trampoline<Op: KernelOp>(op: Op) -> Op::Output {
+            // SAFETY: this function is compiled for AVX-512F, `__m512`'s
+            // instruction set, and runs only where the CPU has it.
+            unsafe { op.run::<__m512, ROWS, KEY_VECTORS, VALUE_VECTORS>() }
+        }
+        // SAFETY: the caller guarantees AVX-512F.
+        unsafe { trampoline(op) }
+    }
+}
+
+// SAFETY: each method is one AVX-512F instruction sequence on registers,
+// and the pointer methods touch the 16 `f32`s at the pointer only.
+unsafe impl Vector for __m512 {
     const LANES: usize = 16;
 
     #[inline(always)]
     unsafe fn splat(x: f32) -> Self {
+        // SAFETY: AVX-512F (the caller's).
         unsafe { _mm512_set1_ps(x) }
     }
     #[inline(always)]
     unsafe fn load(ptr: *const f32) -> Self {
+        // SAFETY: AVX-512F, and 16 readable `f32`s at `ptr` (the caller's).
         unsafe { _mm512_loadu_ps(ptr) }
     }
     #[inline(always)]
     unsafe fn store(self, ptr: *mut f32) {
+        // SAFETY: AVX-512F, and 16 writable `f32`s at `ptr` (the caller's).
         unsafe { _mm512_storeu_ps(ptr, self) }
     }
     #[inline(always)]
     unsafe fn add(self, other: Self) -> Self {
+        // SAFETY: AVX-512F (the caller's).
         unsafe { _mm512_add_ps(self, other) }
     }
     #[inline(always)]
     unsafe fn sub(self, other: Self) -> Self {
+        // SAFETY: AVX-512F (the caller's).
         unsafe { _mm512_sub_ps(self, other) }
     }
     #[inline(always)]
     unsafe fn mul(self, other: Self) -> Self {
+        // SAFETY: AVX-512F (the caller's).
         unsafe { _mm512_mul_ps(self, other) }
     }
     #[inline(always)]
     unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+        // SAFETY: AVX-512F (the caller's).
         unsafe { _mm512_fmadd_ps(self, b, c) }
     }
     #[inline(always)]
     unsafe fn max(self, other: Self) -> Self {
         // `vmaxps` is exactly `self > other ? self : other`.
+        // SAFETY: AVX-512F (the caller's).
         unsafe { _mm512_max_ps(self, other) }
     }
     #[inline(always)]
     unsafe fn zero_where_less(self, threshold: Self, value: Self) -> Self {
+        // SAFETY: AVX-512F (the caller's).
         unsafe { _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_NLT_UQ>(self, threshold), value) }
     }
     #[inline(always)]
     unsafe fn exp2_int(self) -> Self {
+        // SAFETY: AVX-512F (the caller's).
         unsafe {
             let n = _mm512_cvtps_epi32(self);
             _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
@@ -78,20 +118,18 @@ impl Vector for __m512 {
     }
     #[inline(always)]
     unsafe fn reduce_max(self) -> f32 {
+        // SAFETY: AVX-512F (the caller's).
         unsafe { _mm512_reduce_max_ps(self) }
     }
     #[inline(always)]
     unsafe fn reduce_sum(self) -> f32 {
+        // SAFETY: AVX-512F (the caller's).
         unsafe { _mm512_reduce_add_ps(self) }
     }
     #[inline(always)]
     unsafe fn prefetch(ptr: *const f32) {
+        // SAFETY: SSE (part of x86-64); a prefetch never faults, whatever
+        // the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.cast()) }
     }
 }
-
-impl_kernel!(
-    Avx512, crate::simd::KernelSet::Avx512, __m512,
-    score_tile: 6 x 2, value_tile: 6 x 4,
-    #[target_feature(enable = "avx512f")]
-);

@@ -1,11 +1,23 @@
 //! Hand-vectorized `f32` kernels for the fused attention path, and the
 //! run-time choice of which instruction set runs them.
 //!
-//! The kernels are written once, in `kernels.rs`, generic over a small
-//! `Vector` trait (the memchr pattern). Each instruction set has a file
-//! that implements `Vector` for its register type and instantiates the
-//! generic kernels inside `#[target_feature]` functions with its own register
-//! tile sizes:
+//! The kernels are written once, generic over a small `Vector` trait (the
+//! memchr pattern), one kernel family per file:
+//!
+//! | file | what |
+//! |---|---|
+//! | `kernel.rs` | `Kernel`, what the driver sees; `KernelOp`, the shape of every kernel |
+//! | `vector.rs` | `Vector`, the register operations the kernels use |
+//! | `exp.rs` | the vectorised `e^x` and its constants |
+//! | `scores.rs` | `S = Q·Kᵀ`: the packed microkernel and the in-place decode kernel |
+//! | `softmax.rs` | the online-softmax row pass; the backward's shifted `exp` |
+//! | `values.rs` | `O ← α·O + P·V` |
+//! | `layout.rs` | rows and strided weights read in place; prefetching |
+//!
+//! Each instruction set has a file that implements `Vector` for its register
+//! type and `Kernel` for a kernel type, with its register tile sizes and one
+//! `#[target_feature]` trampoline into which every kernel is inlined (the
+//! rten-simd dispatch pattern):
 //!
 //! | file | kernel set | vector | rows × key lanes (Q·Kᵀ) | rows × value lanes (P·V) |
 //! |---|---|---|---|---|
@@ -15,22 +27,30 @@
 //! | `neon.rs` | [`KernelSet::Neon`] | `float32x4_t` | 6 × 16 | 6 × 16 |
 //!
 //! A kernel type (say `Avx512`) can only be built by its `new()`, which
-//! checks the CPU: holding one is the proof that its `#[target_feature]`
-//! functions may run. All `unsafe` of the crate lives in this module.
+//! checks the CPU: holding one is the proof that its trampoline may run,
+//! which the `unsafe trait` `Kernel` states as its implementers' promise.
+//! All `unsafe` of the crate lives in this module.
 //!
 //! The choice is made once and cached: the best set this CPU has, unless the
 //! `SDPA_KERNEL` environment variable (`scalar`, `avx2`, `avx512`, `neon`)
-//! forces one. [`available_kernel_sets`] lists what this CPU can run, so
-//! tests can check each against the reference.
+//! forces one. [`with_kernel_set`] overrides it for a closure on the calling
+//! thread (for tests and benchmarks); [`available_kernel_sets`] lists what
+//! this CPU can run, so tests can check each against the reference.
 
+use std::cell::Cell;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::OnceLock;
 
 use crate::error::{AttentionError, ErrorKind};
 
-mod kernels;
+mod exp;
+mod kernel;
+mod layout;
 mod scalar;
+mod scores;
+mod softmax;
+mod values;
 mod vector;
 
 #[cfg(target_arch = "x86_64")]
@@ -40,7 +60,7 @@ mod avx512;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
-pub(crate) use kernels::Kernel;
+pub(crate) use kernel::Kernel;
 
 /// One set of hand-vectorized kernels, named by the instruction set it needs.
 ///
@@ -64,17 +84,21 @@ pub enum KernelSet {
 }
 
 impl KernelSet {
-    /// Every kernel set the crate has, on any CPU.
-    pub const ALL: [KernelSet; 4] = [
-        KernelSet::Scalar,
-        KernelSet::Avx2,
-        KernelSet::Avx512,
-        KernelSet::Neon,
-    ];
-
-    /// Every kernel set the crate has (temporary: see the simd branch).
+    /// Every kernel set the crate has, on any CPU, slowest first (more may
+    /// be added in later versions).
+    ///
+    /// ```
+    /// use sdpa::simd::KernelSet;
+    /// assert_eq!(KernelSet::all()[0], KernelSet::Scalar);
+    /// assert!(KernelSet::all().iter().all(|set| set.name().parse::<KernelSet>() == Ok(*set)));
+    /// ```
     pub fn all() -> &'static [KernelSet] {
-        &Self::ALL
+        &[
+            KernelSet::Scalar,
+            KernelSet::Avx2,
+            KernelSet::Avx512,
+            KernelSet::Neon,
+        ]
     }
 
     /// The name `SDPA_KERNEL` takes for this set.
@@ -113,13 +137,18 @@ impl FromStr for KernelSet {
     type Err = AttentionError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        KernelSet::ALL
-            .into_iter()
+        let names = || KernelSet::all().iter().map(|set| set.name());
+        KernelSet::all()
+            .iter()
+            .copied()
             .find(|set| set.name().eq_ignore_ascii_case(s.trim()))
             .ok_or_else(|| {
                 AttentionError::new(
                     ErrorKind::UnsupportedKernel,
-                    format!("unknown kernel set {s:?}: expected one of scalar, avx2, avx512, neon"),
+                    format!(
+                        "unknown kernel set {s:?}: expected one of {}",
+                        names().collect::<Vec<_>>().join(", ")
+                    ),
                 )
             })
     }
@@ -127,8 +156,9 @@ impl FromStr for KernelSet {
 
 /// The kernel sets this CPU can run, slowest first.
 pub fn available_kernel_sets() -> Vec<KernelSet> {
-    KernelSet::ALL
-        .into_iter()
+    KernelSet::all()
+        .iter()
+        .copied()
         .filter(|set| set.is_available())
         .collect()
 }
@@ -153,6 +183,64 @@ pub fn selected_kernel_set() -> Result<KernelSet, AttentionError> {
         .clone()
 }
 
+thread_local! {
+    /// The set [`with_kernel_set`] forces on this thread, if any.
+    static FORCED: Cell<Option<KernelSet>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with every `f32` attention call it makes on this thread using
+/// the kernel set `set`, instead of [`selected_kernel_set`]: for tests and
+/// benchmarks that compare kernel sets. The previous choice is restored
+/// when `f` returns or panics; calls nest.
+///
+/// A call chooses its set on the calling thread when it starts, before it
+/// splits its work over threads, so the override covers all of its work;
+/// calls that `f` makes on other threads it spawns are not covered.
+///
+/// ```
+/// use sdpa::simd::{available_kernel_sets, with_kernel_set};
+/// use sdpa::{AttentionOptions, scaled_dot_product_attention};
+///
+/// let x = ndarray::Array4::<f32>::ones((1, 2, 8, 16));
+/// let opts = AttentionOptions::new().causal();
+/// for set in available_kernel_sets() {
+///     let out = with_kernel_set(set, || {
+///         scaled_dot_product_attention(x.view(), x.view(), x.view(), &opts)
+///     })??;
+///     assert_eq!(out.dim(), (1, 2, 8, 16));
+/// }
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+///
+/// # Errors
+/// When this CPU cannot run `set` (then `f` is not run).
+pub fn with_kernel_set<R>(set: KernelSet, f: impl FnOnce() -> R) -> Result<R, AttentionError> {
+    /// Puts the previous override back, also when `f` unwinds.
+    struct Restore(Option<KernelSet>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FORCED.with(|forced| forced.set(self.0));
+        }
+    }
+    check_available(set)?;
+    let _restore = Restore(FORCED.with(|forced| forced.replace(Some(set))));
+    Ok(f())
+}
+
+/// The kernel set a call starting now on this thread runs on: the one
+/// [`with_kernel_set`] forces, else [`selected_kernel_set`]. The driver
+/// reads it once, at the start of a call on the calling thread, before any
+/// work goes to other threads; so a thread-local override is enough.
+///
+/// # Errors
+/// As [`selected_kernel_set`].
+pub(crate) fn current_kernel_set() -> Result<KernelSet, AttentionError> {
+    match FORCED.with(Cell::get) {
+        Some(set) => Ok(set),
+        None => selected_kernel_set(),
+    }
+}
+
 /// `Ok(set)` when this CPU can run `set`.
 pub(crate) fn check_available(set: KernelSet) -> Result<KernelSet, AttentionError> {
     if set.is_available() {
@@ -173,6 +261,12 @@ fn unavailable(set: KernelSet) -> AttentionError {
 }
 
 /// Code generic over a kernel, run with the kernel set chosen at run time.
+///
+/// `run` itself is ordinary code, not compiled for the set's target
+/// features: the driver hands its work to rayon as closures, and a closure
+/// takes target features only from the function it is written in, so a
+/// trampoline around `run` would not reach the kernels. Each [`Kernel`]
+/// call enters the set's trampoline instead, once per tile.
 pub(crate) trait WithKernel {
     /// What the code returns.
     type Output;
@@ -212,28 +306,3 @@ pub(crate) fn with_kernel<J: WithKernel>(
 
 #[cfg(test)]
 mod tests;
-
-thread_local! {
-    static FORCED: std::cell::Cell<Option<KernelSet>> = const { std::cell::Cell::new(None) };
-}
-
-/// Runs `f` with every `f32` call made on this thread using `set`.
-/// Temporary: see the simd branch.
-///
-/// # Errors
-/// When this CPU cannot run `set`.
-pub fn with_kernel_set<R>(set: KernelSet, f: impl FnOnce() -> R) -> Result<R, AttentionError> {
-    check_available(set)?;
-    let previous = FORCED.replace(Some(set));
-    let result = f();
-    FORCED.set(previous);
-    Ok(result)
-}
-
-/// The kernel set a call made on this thread runs on.
-pub(crate) fn current_kernel_set() -> Result<KernelSet, AttentionError> {
-    match FORCED.get() {
-        Some(set) => Ok(set),
-        None => selected_kernel_set(),
-    }
-}

@@ -5,8 +5,15 @@
 
 use std::arch::aarch64::*;
 
-use super::kernels::impl_kernel;
+use super::kernel::{Kernel, KernelOp};
 use super::vector::Vector;
+
+/// Query rows per register tile.
+const ROWS: usize = 6;
+/// Vectors of keys per Q·Kᵀ register tile.
+const KEY_VECTORS: usize = 4;
+/// Vectors of value columns per P·V register tile.
+const VALUE_VECTORS: usize = 4;
 
 /// The NEON kernels; built only on a CPU that has NEON (every aarch64 Linux
 /// CPU does, but it is checked all the same).
@@ -22,47 +29,79 @@ impl Neon {
     }
 }
 
-// SAFETY (every method): the trait's contract is that the CPU has NEON, and
-// pointers are valid for 4 `f32`s.
-impl Vector for float32x4_t {
+// SAFETY: `Neon` is built only by `new`, which checks NEON, the one feature
+// `run_unchecked` enables; it runs the operation with `float32x4_t` and the
+// tile sizes of the constants.
+unsafe impl Kernel for Neon {
+    type Vector = float32x4_t;
+    #[cfg(test)]
+    const SET: super::KernelSet = super::KernelSet::Neon;
+    const ROWS: usize = ROWS;
+    const KEY_PANEL: usize = KEY_VECTORS * <float32x4_t as Vector>::LANES;
+
+    #[inline(always)]
+    unsafe fn run_unchecked<Op: KernelOp>(op: Op) -> Op::Output {
+        #[target_feature(enable = "neon")]
+        fn trampoline<Op: KernelOp>(op: Op) -> Op::Output {
+            // SAFETY: this function is compiled for NEON, `float32x4_t`'s
+            // instruction set, and runs only where the CPU has it.
+            unsafe { op.run::<float32x4_t, ROWS, KEY_VECTORS, VALUE_VECTORS>() }
+        }
+        // SAFETY: the caller guarantees NEON.
+        unsafe { trampoline(op) }
+    }
+}
+
+// SAFETY: each method is one NEON instruction sequence on registers, and
+// the pointer methods touch the 4 `f32`s at the pointer only.
+unsafe impl Vector for float32x4_t {
     const LANES: usize = 4;
 
     #[inline(always)]
     unsafe fn splat(x: f32) -> Self {
+        // SAFETY: NEON (the caller's).
         unsafe { vdupq_n_f32(x) }
     }
     #[inline(always)]
     unsafe fn load(ptr: *const f32) -> Self {
+        // SAFETY: NEON, and 4 readable `f32`s at `ptr` (the caller's).
         unsafe { vld1q_f32(ptr) }
     }
     #[inline(always)]
     unsafe fn store(self, ptr: *mut f32) {
+        // SAFETY: NEON, and 4 writable `f32`s at `ptr` (the caller's).
         unsafe { vst1q_f32(ptr, self) }
     }
     #[inline(always)]
     unsafe fn add(self, other: Self) -> Self {
+        // SAFETY: NEON (the caller's).
         unsafe { vaddq_f32(self, other) }
     }
     #[inline(always)]
     unsafe fn sub(self, other: Self) -> Self {
+        // SAFETY: NEON (the caller's).
         unsafe { vsubq_f32(self, other) }
     }
     #[inline(always)]
     unsafe fn mul(self, other: Self) -> Self {
+        // SAFETY: NEON (the caller's).
         unsafe { vmulq_f32(self, other) }
     }
     #[inline(always)]
     unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+        // SAFETY: NEON (the caller's).
         unsafe { vfmaq_f32(c, self, b) }
     }
     #[inline(always)]
     unsafe fn max(self, other: Self) -> Self {
         // `fmax` returns NaN when either lane is NaN, which keeps a NaN in
         // `other` as the trait asks (and one in `self` too).
+        // SAFETY: NEON (the caller's).
         unsafe { vmaxq_f32(self, other) }
     }
     #[inline(always)]
     unsafe fn zero_where_less(self, threshold: Self, value: Self) -> Self {
+        // SAFETY: NEON (the caller's).
         unsafe {
             let less = vcltq_f32(self, threshold);
             vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(value), less))
@@ -70,6 +109,7 @@ impl Vector for float32x4_t {
     }
     #[inline(always)]
     unsafe fn exp2_int(self) -> Self {
+        // SAFETY: NEON (the caller's).
         unsafe {
             let n = vcvtq_s32_f32(self);
             vreinterpretq_f32_s32(vshlq_n_s32::<23>(vaddq_s32(n, vdupq_n_s32(127))))
@@ -77,10 +117,12 @@ impl Vector for float32x4_t {
     }
     #[inline(always)]
     unsafe fn reduce_max(self) -> f32 {
+        // SAFETY: NEON (the caller's).
         unsafe { vmaxvq_f32(self) }
     }
     #[inline(always)]
     unsafe fn reduce_sum(self) -> f32 {
+        // SAFETY: NEON (the caller's).
         unsafe { vaddvq_f32(self) }
     }
     #[inline(always)]
@@ -89,9 +131,3 @@ impl Vector for float32x4_t {
         // no aarch64 prefetch intrinsic.
     }
 }
-
-impl_kernel!(
-    Neon, crate::simd::KernelSet::Neon, float32x4_t,
-    score_tile: 6 x 4, value_tile: 6 x 4,
-    #[target_feature(enable = "neon")]
-);

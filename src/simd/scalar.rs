@@ -1,14 +1,40 @@
 //! The portable kernel set: one `f32` lane at a time, no target features.
 //! Always built; the fallback on any CPU and the baseline in tests.
 
-use super::kernels::impl_kernel;
+use super::kernel::{Kernel, KernelOp};
 use super::vector::Vector;
+
+/// Query rows per register tile.
+const ROWS: usize = 6;
+/// Values (one-lane vectors) of keys per Q·Kᵀ register tile.
+const KEY_VECTORS: usize = 4;
+/// Values of value columns per P·V register tile.
+const VALUE_VECTORS: usize = 4;
 
 /// The portable kernels. Every CPU can run them.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Scalar;
 
-impl Vector for f32 {
+// SAFETY: `run_unchecked` runs the operation with `f32`, which needs no
+// instruction set, so every CPU can run it; and with the tile sizes of the
+// constants.
+unsafe impl Kernel for Scalar {
+    type Vector = f32;
+    #[cfg(test)]
+    const SET: super::KernelSet = super::KernelSet::Scalar;
+    const ROWS: usize = ROWS;
+    const KEY_PANEL: usize = KEY_VECTORS;
+
+    #[inline(always)]
+    unsafe fn run_unchecked<Op: KernelOp>(op: Op) -> Op::Output {
+        // SAFETY: `f32`'s vector methods need no instruction set.
+        unsafe { op.run::<f32, ROWS, KEY_VECTORS, VALUE_VECTORS>() }
+    }
+}
+
+// SAFETY: the methods are plain `f32` arithmetic, but for `load` and
+// `store`, which touch the one `f32` at the pointer.
+unsafe impl Vector for f32 {
     const LANES: usize = 1;
 
     #[inline(always)]
@@ -68,8 +94,3 @@ impl Vector for f32 {
     #[inline(always)]
     unsafe fn prefetch(_ptr: *const f32) {}
 }
-
-impl_kernel!(
-    Scalar, crate::simd::KernelSet::Scalar, f32,
-    score_tile: 6 x 4, value_tile: 6 x 4,
-);

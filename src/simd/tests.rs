@@ -1,9 +1,14 @@
 //! Every kernel set this CPU has, against plain scalar arithmetic in f64.
 
-use super::kernels::EXP_MIN_INPUT;
 use ndarray::ArrayView2;
 
-use super::{Kernel, KernelSet, WithKernel, available_kernel_sets, with_kernel};
+use super::exp::{EXP_MIN_INPUT, exp};
+use super::kernel::KernelOp;
+use super::vector::Vector;
+use super::{
+    Kernel, KernelSet, WithKernel, available_kernel_sets, current_kernel_set, selected_kernel_set,
+    with_kernel, with_kernel_set,
+};
 
 /// Runs `job` once per available kernel set.
 fn for_each_kernel_set<J: WithKernel + Clone>(job: J) -> Vec<(KernelSet, J::Output)> {
@@ -21,6 +26,40 @@ fn ulp_error(got: f32, expected: f64) -> f64 {
     (got as f64 - expected).abs() / ulp
 }
 
+/// `e^x` in place, `V::LANES` at a time (the last few through a padded
+/// vector): [`exp`] as a kernel of its own.
+struct ExpInPlace<'a>(&'a mut [f32]);
+
+impl KernelOp for ExpInPlace<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    unsafe fn run<
+        V: Vector,
+        const ROWS: usize,
+        const KEY_VECTORS: usize,
+        const VALUE_VECTORS: usize,
+    >(
+        self,
+    ) {
+        let mut chunks = self.0.chunks_exact_mut(V::LANES);
+        for chunk in &mut chunks {
+            // SAFETY: the caller guarantees V's instruction set; the chunk
+            // has `V::LANES` elements.
+            unsafe { exp(V::load(chunk.as_ptr())).store(chunk.as_mut_ptr()) };
+        }
+        let tail = chunks.into_remainder();
+        let mut padded = [0.0f32; 64];
+        assert!(V::LANES <= padded.len());
+        padded[..tail.len()].copy_from_slice(tail);
+        // SAFETY: the caller guarantees V's instruction set; `padded` has at
+        // least `V::LANES` elements.
+        unsafe { exp(V::load(padded.as_ptr())).store(padded.as_mut_ptr()) };
+        let n = tail.len();
+        tail.copy_from_slice(&padded[..n]);
+    }
+}
+
 /// `e^x` over the inputs, on one kernel set; returns (set, outputs).
 #[derive(Clone)]
 struct Exp(Vec<f32>);
@@ -28,7 +67,7 @@ struct Exp(Vec<f32>);
 impl WithKernel for Exp {
     type Output = (KernelSet, Vec<f32>);
     fn run<K: Kernel>(mut self, kernel: K) -> Self::Output {
-        kernel.exp_in_place(&mut self.0);
+        kernel.run(ExpInPlace(&mut self.0));
         (K::SET, self.0)
     }
 }
@@ -238,7 +277,8 @@ impl WithKernel for TileCheck {
                 &alpha[..some],
                 &mut o,
             );
-            check_accumulated::<K>(&o, &o_start, &s, stride, &v, width, &alpha, some, keys);
+            let p = p.slice(ndarray::s![..some, ..keys]);
+            check_accumulated::<K>(&o, &o_start, p, v_rows, &alpha[..some]);
         }
         // The weights read transposed (the backward's Pᵀ·dO): keys × rows.
         let p = ArrayView2::from_shape((rows, stride), &s).unwrap();
@@ -268,24 +308,20 @@ impl WithKernel for TileCheck {
     }
 }
 
-/// `o` against `alpha·o_start + P·V` in f64, for the first `rows` rows.
-#[allow(clippy::too_many_arguments)]
+/// `o` against `alpha·o_start + p·v` in f64, for the `alpha.len()` rows.
 fn check_accumulated<K: Kernel>(
     o: &[f32],
     o_start: &[f32],
-    s: &[f32],
-    stride: usize,
-    v: &[f32],
-    width: usize,
+    p: ArrayView2<'_, f32>,
+    v: ArrayView2<'_, f32>,
     alpha: &[f32],
-    rows: usize,
-    keys: usize,
 ) {
-    for r in 0..rows {
+    let (keys, width) = v.dim();
+    for (r, &a) in alpha.iter().enumerate() {
         for c in 0..width {
-            let exact: f64 = alpha[r] as f64 * o_start[r * width + c] as f64
+            let exact: f64 = a as f64 * o_start[r * width + c] as f64
                 + (0..keys)
-                    .map(|j| s[r * stride + j] as f64 * v[j * width + c] as f64)
+                    .map(|j| p[(r, j)] as f64 * v[(j, c)] as f64)
                     .sum::<f64>();
             assert!(
                 (o[r * width + c] as f64 - exact).abs() < 1e-5 * keys as f64,
@@ -327,4 +363,73 @@ fn a_row_that_sees_nothing_gives_zeros_and_alpha_one() {
         }
     }
     for_each_kernel_set(AllMasked);
+}
+
+#[test]
+fn kernel_sets_list_and_parse_themselves() {
+    let all = KernelSet::all();
+    assert!(
+        all.windows(2).all(|pair| pair[0] < pair[1]),
+        "slowest first"
+    );
+    for &set in all {
+        assert_eq!(set.name().parse::<KernelSet>(), Ok(set));
+        assert_eq!(
+            format!(" {} ", set.name().to_uppercase()).parse::<KernelSet>(),
+            Ok(set)
+        );
+    }
+    let error = "sse9".parse::<KernelSet>().unwrap_err();
+    assert!(
+        error.to_string().contains("scalar, avx2, avx512, neon"),
+        "{error}"
+    );
+    let available = available_kernel_sets();
+    assert!(
+        available
+            .iter()
+            .all(|set| all.contains(set) && set.is_available())
+    );
+    assert_eq!(available[0], KernelSet::Scalar);
+}
+
+#[test]
+fn with_kernel_set_forces_a_set_on_this_thread_and_restores_it() {
+    let selected = selected_kernel_set().unwrap();
+    assert_eq!(current_kernel_set(), Ok(selected));
+    for set in available_kernel_sets() {
+        let seen = with_kernel_set(set, || {
+            let inner = with_kernel_set(KernelSet::Scalar, current_kernel_set).unwrap();
+            assert_eq!(inner, Ok(KernelSet::Scalar), "nested");
+            // Other threads keep their own choice.
+            let elsewhere = std::thread::spawn(current_kernel_set).join().unwrap();
+            assert_eq!(elsewhere, Ok(selected));
+            current_kernel_set()
+        });
+        assert_eq!(seen, Ok(Ok(set)));
+        assert_eq!(current_kernel_set(), Ok(selected), "restored");
+    }
+    // Restored when the closure panics, too.
+    let unwound = std::panic::catch_unwind(|| {
+        with_kernel_set(KernelSet::Scalar, || panic!("in the closure"))
+    });
+    assert!(unwound.is_err());
+    assert_eq!(current_kernel_set(), Ok(selected), "restored after a panic");
+}
+
+#[test]
+fn with_kernel_set_refuses_a_set_this_cpu_lacks() {
+    // Every CPU lacks one architecture's sets.
+    let missing = *KernelSet::all()
+        .iter()
+        .find(|set| !set.is_available())
+        .expect("x86-64 and aarch64 sets are never all available");
+    let mut ran = false;
+    let result = with_kernel_set(missing, || ran = true);
+    assert_eq!(
+        result.unwrap_err().kind(),
+        crate::error::ErrorKind::UnsupportedKernel
+    );
+    assert!(!ran);
+    assert_eq!(current_kernel_set(), selected_kernel_set());
 }

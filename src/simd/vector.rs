@@ -1,44 +1,93 @@
 //! [`Vector`]: the few operations on a register of `f32` lanes that the
-//! kernels need, implemented once per instruction set.
+//! kernels need, implemented once per instruction set (in `scalar.rs`,
+//! `avx2.rs`, `avx512.rs`, `neon.rs`). The kernels are written against this
+//! trait only.
 
 /// A register of `LANES` `f32` values.
 ///
+/// Every method is an `unsafe fn` whose caller promises that the CPU has the
+/// implementing type's instruction set; the pointer methods also need
+/// `LANES` readable (or writable) `f32`s at the pointer, with no alignment
+/// required. A [`Kernel`](super::kernel::Kernel) value is what proves the
+/// first: the kernels call these methods only inside its `run`.
+///
 /// # Safety
-/// Every method may only be called on a CPU that has the instruction set of
-/// the implementing type, which the kernel types' constructors check. The
-/// pointer methods also need `LANES` readable (or writable) `f32`s at the
-/// pointer; no alignment is required.
-pub(crate) trait Vector: Copy {
+/// An implementer promises that each method is sound when called as its
+/// `# Safety` section says, and that `load`, `store` and `prefetch` touch no
+/// memory beyond the `LANES` `f32`s at the pointer (the kernels check their
+/// buffer sizes in units of `LANES`).
+pub(crate) unsafe trait Vector: Copy {
     /// Number of `f32` lanes.
     const LANES: usize;
 
     /// Every lane set to `x`.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
     unsafe fn splat(x: f32) -> Self;
     /// `LANES` values read from `ptr`.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`; `LANES` `f32`s are
+    /// readable at `ptr`.
     unsafe fn load(ptr: *const f32) -> Self;
     /// Writes the lanes to `ptr`.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`; `LANES` `f32`s are
+    /// writable at `ptr`.
     unsafe fn store(self, ptr: *mut f32);
     /// Lane-wise `self + other`.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
     unsafe fn add(self, other: Self) -> Self;
     /// Lane-wise `self - other`.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
     unsafe fn sub(self, other: Self) -> Self;
     /// Lane-wise `self * other`.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
     unsafe fn mul(self, other: Self) -> Self;
     /// Lane-wise `self * b + c`, rounded once (the scalar set computes it
     /// in f64, which rounds the same but for rare double roundings).
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
     unsafe fn mul_add(self, b: Self, c: Self) -> Self;
     /// Lane-wise `if self > other { self } else { other }`: a NaN in `other`
     /// is kept, as x86's `maxps` does.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
     unsafe fn max(self, other: Self) -> Self;
     /// Lane-wise `if self < threshold { 0 } else { value }` (false for NaN).
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
     unsafe fn zero_where_less(self, threshold: Self, value: Self) -> Self;
     /// `2^n` for lanes holding whole numbers `n` in `[-126, 127]`.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
     unsafe fn exp2_int(self) -> Self;
     /// The largest lane (NaN lanes may be ignored).
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
     unsafe fn reduce_max(self) -> f32;
     /// The sum of the lanes.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
     unsafe fn reduce_sum(self) -> f32;
     /// Asks the CPU to start loading the cache line at `ptr` (a hint: any
     /// address is allowed, nothing is read).
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
     unsafe fn prefetch(ptr: *const f32);
 }

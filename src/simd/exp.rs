@@ -1,0 +1,69 @@
+//! The vectorised `e^x` of the softmax, and its constants.
+//!
+//! e^x = 2^n · e^r with n = round(x / ln 2) and r = x − n·ln 2 in
+//! [−ln2/2, ln2/2]; e^r is a degree-6 polynomial, 2^n is built in the
+//! exponent bits. Measured maximum error on [−87.3, 0]: see the doc of
+//! [`exp`] and the test `exp_is_within_two_ulp_exhaustively`.
+
+use super::vector::Vector;
+
+/// Below `ln(2^-126)`, e^x is subnormal in `f32`; `exp` returns 0 there, so
+/// `2^n` never leaves the normal range and `−inf` gives 0 without a NaN.
+pub(crate) const EXP_MIN_INPUT: f32 = -87.336_55;
+/// log2(e): x·LOG2_E rounded is `n`.
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
+/// ln 2 split in two (Cody and Waite): LN2_HI has only 9 significant bits, so
+/// `n·LN2_HI` is exact for every `n` here, with or without a fused
+/// multiply-add, and `x − n·LN2_HI` loses nothing.
+const LN2_HI: f32 = 0.693_359_4;
+/// ln 2 − LN2_HI, the rest of ln 2.
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Adding 1.5·2^23 rounds a float of magnitude < 2^22 to a whole number
+/// (round-half-even in the default rounding mode); subtracting it back gives
+/// that whole number as a float.
+const ROUND_MAGIC: f32 = 12_582_912.0;
+/// Polynomial for e^r on [−ln2/2, ln2/2], coefficients of r^0 … r^6: the
+/// constant is exactly 1 (so `exp(0) = 1`), the rest minimise the largest
+/// error in ulps (Lawson's algorithm in f64; 0.16 ulp once rounded to f32).
+///
+/// Degree 6, not 5: the best degree-5 fit, coefficients tuned after rounding,
+/// still measured 2.015 ulp over every input, past the 2 ulp bound. The
+/// sixth degree costs one fused multiply-add per vector.
+const EXP_POLY: [f32; 7] = [
+    1.0,
+    1.0,
+    0.499_999_9,
+    0.166_664_48,
+    0.041_668_534,
+    0.008_373_16,
+    0.001_381_587,
+];
+
+/// `e^x` in every lane, for `x ≤ 0` (and up to 88.7).
+///
+/// Measured maximum error 1.02 ulp against `e^x` computed in f64, over every
+/// `f32` in [−87.3, 0], on every kernel set (the exhaustive test
+/// `exp_is_within_two_ulp_exhaustively`, which asserts ≤ 2 ulp). Below
+/// [`EXP_MIN_INPUT`] the result is 0, so `exp(−inf) = 0` with no
+/// intermediate NaN; NaN gives NaN.
+///
+/// # Safety
+/// The CPU has `V`'s instruction set.
+#[inline(always)]
+pub(crate) unsafe fn exp<V: Vector>(x: V) -> V {
+    // SAFETY: the caller guarantees V's instruction set, and only register
+    // operations follow.
+    unsafe {
+        // `max` keeps a NaN in its second operand, so NaN goes through.
+        let clamped = V::splat(EXP_MIN_INPUT).max(x);
+        let magic = V::splat(ROUND_MAGIC);
+        let n = clamped.mul_add(V::splat(LOG2_E), magic).sub(magic);
+        let r = n.mul_add(V::splat(-LN2_HI), clamped);
+        let r = n.mul_add(V::splat(-LN2_LO), r);
+        let mut p = V::splat(EXP_POLY[6]);
+        for &c in EXP_POLY[..6].iter().rev() {
+            p = p.mul_add(r, V::splat(c));
+        }
+        x.zero_where_less(V::splat(EXP_MIN_INPUT), p.mul(n.exp2_int()))
+    }
+}

@@ -1,0 +1,186 @@
+//! [`Kernel`], what the fused driver sees: one instruction set's kernels
+//! with its register tile sizes, as safe methods. And [`KernelOp`], the
+//! shape every kernel has: an operation generic over the [`Vector`] type
+//! and the tile sizes, run by [`Kernel::run`].
+//!
+//! Each instruction set implements `Kernel` with one `#[target_feature]`
+//! trampoline around `KernelOp::run` (the rten-simd dispatch pattern): the
+//! kernels and every `Vector` method are `#[inline(always)]`, so they are
+//! all compiled into the trampoline with the set's features. The operation
+//! checks its own buffer sizes against the tile sizes it runs with, so its
+//! only `unsafe` precondition is the instruction set, which a `Kernel` value
+//! proves.
+//!
+//! Adding a kernel: a file with its operation (a struct and a `KernelOp`
+//! impl), its `mod` line, and a one-line safe method here if the driver
+//! should call it by name (else the driver calls `kernel.run(op)`).
+
+use ndarray::ArrayView2;
+
+use super::scores::{RowScores, Scores};
+use super::softmax::{ExpRowsShifted, SoftmaxRows};
+use super::values::AccumulateValues;
+use super::vector::Vector;
+
+/// A kernel: an operation written once, generic over the vector type `V`
+/// and the register tiles (`ROWS` query rows; `KEY_VECTORS` vectors of keys
+/// in Q·Kᵀ, so a key panel is `KEY_VECTORS·V::LANES` keys; `VALUE_VECTORS`
+/// vectors of value columns in P·V). An operation uses the sizes it needs.
+pub(crate) trait KernelOp {
+    /// What the operation returns.
+    type Output;
+
+    /// Runs the operation. Implementations are `#[inline(always)]`, so they
+    /// compile into the instruction set's trampoline; they check every
+    /// buffer size they rely on (a wrong size panics: a bug in the driver,
+    /// never bad user input).
+    ///
+    /// # Safety
+    /// The CPU has `V`'s instruction set.
+    unsafe fn run<
+        V: Vector,
+        const ROWS: usize,
+        const KEY_VECTORS: usize,
+        const VALUE_VECTORS: usize,
+    >(
+        self,
+    ) -> Self::Output;
+}
+
+/// One instruction set's kernels with its register tile sizes.
+///
+/// # Safety
+/// An implementer promises that a value of the type exists only on a CPU
+/// that can run [`Kernel::run_unchecked`] (its constructor checks the CPU,
+/// and its fields are private), so that holding one proves the CPU; and
+/// that `run_unchecked` runs the operation with `Self::Vector` and the tile
+/// sizes these constants describe (`ROWS`, `KEY_PANEL / LANES` key vectors,
+/// `LANES == Self::Vector::LANES`).
+pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
+    /// The vector the kernels run on.
+    type Vector: Vector;
+    /// The kernel set this is.
+    #[cfg(test)]
+    const SET: super::KernelSet;
+    /// Query rows per register tile: tiles have a multiple of this many rows.
+    const ROWS: usize;
+    /// Keys per packed key panel: tiles have a multiple of this many keys.
+    const KEY_PANEL: usize;
+    /// Lanes of a vector: value rows are padded to a multiple of this.
+    const LANES: usize = <Self::Vector as Vector>::LANES;
+
+    /// Runs `op` with this set's vector and tile sizes, compiled for this
+    /// set's target features.
+    ///
+    /// # Safety
+    /// The CPU has this set's instruction set.
+    unsafe fn run_unchecked<Op: KernelOp>(op: Op) -> Op::Output;
+
+    /// Runs `op` with this set's vector and tile sizes.
+    #[inline(always)]
+    fn run<Op: KernelOp>(self, op: Op) -> Op::Output {
+        // SAFETY: `self` exists, which by the trait's contract proves the
+        // CPU has the instruction set.
+        unsafe { Self::run_unchecked(op) }
+    }
+
+    /// `s[r][j] = q[r]·k[j]` for a tile: `q` is `[rows][d]`, `k_panels` the
+    /// tile's keys packed in panels of `KEY_PANEL` (see [`Scores`]), `s` has
+    /// row stride `s_stride`.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    fn scores(self, q: &[f32], d: usize, k_panels: &[f32], s: &mut [f32], s_stride: usize) {
+        self.run(Scores {
+            q,
+            d,
+            k_panels,
+            s,
+            s_stride,
+        })
+    }
+
+    /// `s[r][j] = q[r]·k[j]` ([`RowScores`]) for the rows of `q` (`[rows][d]`)
+    /// and the keys that are `k`'s rows, read in place.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    fn row_scores(
+        self,
+        q: &[f32],
+        d: usize,
+        k: ArrayView2<'_, f32>,
+        s: &mut [f32],
+        s_stride: usize,
+    ) {
+        self.run(RowScores {
+            q,
+            d,
+            k,
+            s,
+            s_stride,
+        })
+    }
+
+    /// The online-softmax pass ([`SoftmaxRows`]) over the first `keys`
+    /// columns of the `max.len()` rows of `s`.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    fn softmax_rows(
+        self,
+        s: &mut [f32],
+        keys: usize,
+        s_stride: usize,
+        max: &mut [f32],
+        sum: &mut [f32],
+        alpha: &mut [f32],
+    ) {
+        self.run(SoftmaxRows {
+            s,
+            keys,
+            s_stride,
+            max,
+            sum,
+            alpha,
+        })
+    }
+
+    /// `s[r][j] ← e^(s[r][j] − shift[r])` ([`ExpRowsShifted`]) over the
+    /// first `keys` columns of the `shift.len()` rows of `s`.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    fn exp_rows_shifted(self, s: &mut [f32], keys: usize, s_stride: usize, shift: &[f32]) {
+        self.run(ExpRowsShifted {
+            s,
+            keys,
+            s_stride,
+            shift,
+        })
+    }
+
+    /// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` ([`AccumulateValues`]) for
+    /// the `alpha.len()` rows of `p` (any strides: `p.t()` of a tile is its
+    /// transpose, with no copy), the keys that are `v`'s rows, and the first
+    /// `value_width` columns of `v` and `o`.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    fn accumulate_values(
+        self,
+        p: ArrayView2<'_, f32>,
+        v: ArrayView2<'_, f32>,
+        value_width: usize,
+        alpha: &[f32],
+        o: &mut [f32],
+    ) {
+        self.run(AccumulateValues {
+            p,
+            v,
+            value_width,
+            alpha,
+            o,
+        })
+    }
+}

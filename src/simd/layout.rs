@@ -1,0 +1,111 @@
+//! How the kernels address matrices they read in place (rather than from
+//! packed buffers): [`Rows`] of keys or values, [`Weights`] with any
+//! strides, and the software prefetch of rows ahead of use.
+
+use ndarray::ArrayView2;
+
+use super::vector::Vector;
+
+/// Rows of a matrix in memory: row `j` starts at `ptr + j·stride`.
+#[derive(Clone, Copy)]
+pub(crate) struct Rows {
+    pub ptr: *const f32,
+    pub stride: isize,
+}
+
+impl Rows {
+    /// The rows of `view`.
+    ///
+    /// # Panics
+    /// When a row of `view` is not contiguous.
+    pub(crate) fn of(view: &ArrayView2<'_, f32>) -> Self {
+        assert!(
+            view.ncols() <= 1 || view.strides()[1] == 1,
+            "rows must be contiguous"
+        );
+        Self {
+            ptr: view.as_ptr(),
+            stride: view.strides()[0],
+        }
+    }
+
+    /// The start of row `j`.
+    ///
+    /// # Safety
+    /// Row `j` exists in the matrix these rows describe.
+    #[inline(always)]
+    pub(crate) unsafe fn row(self, j: usize) -> *const f32 {
+        // SAFETY: the caller guarantees row `j` is in the matrix.
+        unsafe { self.ptr.offset(j as isize * self.stride) }
+    }
+}
+
+/// A matrix of weights in memory with any strides: entry `(r, j)` is at
+/// `ptr + r·row_stride + j·key_stride` (so a transposed tile is the same
+/// memory with the strides swapped).
+#[derive(Clone, Copy)]
+pub(crate) struct Weights {
+    pub ptr: *const f32,
+    pub row_stride: isize,
+    pub key_stride: isize,
+}
+
+impl Weights {
+    /// The entries of `view`.
+    pub(crate) fn of(view: &ArrayView2<'_, f32>) -> Self {
+        let strides = view.strides();
+        Self {
+            ptr: view.as_ptr(),
+            row_stride: strides[0],
+            key_stride: strides[1],
+        }
+    }
+
+    /// The same matrix from row `r` on.
+    ///
+    /// # Safety
+    /// Row `r` exists in the matrix.
+    #[inline(always)]
+    pub(crate) unsafe fn starting_at_row(self, r: usize) -> Self {
+        Self {
+            // SAFETY: the caller guarantees row `r` is in the matrix.
+            ptr: unsafe { self.ptr.offset(r as isize * self.row_stride) },
+            ..self
+        }
+    }
+
+    /// Entry `(r, j)`.
+    ///
+    /// # Safety
+    /// The entry exists in the matrix.
+    #[inline(always)]
+    pub(crate) unsafe fn at(self, r: usize, j: usize) -> f32 {
+        // SAFETY: the caller guarantees the entry is in the matrix.
+        unsafe {
+            *self
+                .ptr
+                .offset(r as isize * self.row_stride + j as isize * self.key_stride)
+        }
+    }
+}
+
+/// How many rows ahead the in-place kernels ask for: at d = 128, 8 rows are
+/// 4 KiB, enough to cover memory latency at full bandwidth.
+pub(crate) const PREFETCH_ROWS_AHEAD: usize = 8;
+
+/// Prefetches the `len` values at the start of row `j` (a hint: the row
+/// need not exist, since prefetching reads nothing).
+///
+/// # Safety
+/// The CPU has `V`'s instruction set.
+#[inline(always)]
+pub(crate) unsafe fn prefetch_row<V: Vector>(rows: Rows, j: usize, len: usize) {
+    // The address is computed with wrapping arithmetic, so it may lie past
+    // the matrix: prefetching is a hint that never faults.
+    let start = rows.ptr.wrapping_offset(j as isize * rows.stride);
+    for c in (0..len).step_by(16) {
+        // SAFETY: the caller guarantees V's instruction set; `prefetch`
+        // accepts any address.
+        unsafe { V::prefetch(start.wrapping_add(c)) };
+    }
+}

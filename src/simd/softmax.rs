@@ -1,0 +1,143 @@
+//! The softmax kernels over a tile of scores, row by row, in place:
+//!
+//! - [`SoftmaxRows`]: the forward's online-softmax pass (running max, `exp`,
+//!   running sum, and the factor `α` that rescales what was accumulated);
+//! - [`ExpRowsShifted`]: the backward's weights, recomputed from the
+//!   forward's log-sum-exp.
+//!
+//! Masked scores are `−inf` on entry and leave as exactly 0; a row that has
+//! seen no key yet becomes 0, never NaN.
+
+use super::exp::exp;
+use super::kernel::KernelOp;
+use super::vector::Vector;
+
+/// The online-softmax pass over the first `keys` columns (a multiple of
+/// `LANES`) of the `max.len()` rows of `s` (row stride `s_stride`):
+///
+/// ```text
+/// m' = max(m, max_j s[j]);  α = e^(m − m');  s[j] ← e^(s[j] − m');  ℓ' = α·ℓ + Σ_j s[j]
+/// ```
+///
+/// `max`, `sum` and `alpha` hold `m`, `ℓ` and `α` per row. A row whose `m'`
+/// is `−inf` (nothing visible yet) gets `s = 0` and `α = 1`, never NaN.
+pub(crate) struct SoftmaxRows<'a> {
+    pub s: &'a mut [f32],
+    pub keys: usize,
+    pub s_stride: usize,
+    pub max: &'a mut [f32],
+    pub sum: &'a mut [f32],
+    pub alpha: &'a mut [f32],
+}
+
+impl KernelOp for SoftmaxRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    unsafe fn run<
+        V: Vector,
+        const ROWS: usize,
+        const KEY_VECTORS: usize,
+        const VALUE_VECTORS: usize,
+    >(
+        self,
+    ) {
+        let SoftmaxRows {
+            s,
+            keys,
+            s_stride,
+            max,
+            sum,
+            alpha,
+        } = self;
+        let rows = max.len();
+        assert!(sum.len() == rows && alpha.len() == rows);
+        assert!(keys.is_multiple_of(V::LANES) && keys <= s_stride);
+        assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
+        let s = s.as_mut_ptr();
+        for r in 0..rows {
+            // SAFETY: the caller guarantees V's instruction set (and `f32`'s
+            // needs none); row `r`'s `keys` entries are inside `s`, as
+            // checked above.
+            unsafe {
+                let row = s.add(r * s_stride);
+                let mut row_max = V::splat(f32::NEG_INFINITY);
+                for j in (0..keys).step_by(V::LANES) {
+                    row_max = V::load(row.add(j)).max(row_max);
+                }
+                let old_max = max[r];
+                let new_max = row_max.reduce_max().max(old_max);
+                if new_max == f32::NEG_INFINITY {
+                    for j in (0..keys).step_by(V::LANES) {
+                        V::splat(0.0).store(row.add(j));
+                    }
+                    alpha[r] = 1.0;
+                    continue;
+                }
+                let shift = V::splat(new_max);
+                let mut row_sum = V::splat(0.0);
+                for j in (0..keys).step_by(V::LANES) {
+                    let p = exp(V::load(row.add(j)).sub(shift));
+                    p.store(row.add(j));
+                    row_sum = row_sum.add(p);
+                }
+                // The same exp, one lane: e^(−inf) = 0 on the first visible tile.
+                let a = exp::<f32>(old_max - new_max);
+                alpha[r] = a;
+                sum[r] = a * sum[r] + row_sum.reduce_sum();
+                max[r] = new_max;
+            }
+        }
+    }
+}
+
+/// `s[r][j] ← e^(s[r][j] − shift[r])` over the first `keys` columns (a
+/// multiple of `LANES`) of the `shift.len()` rows of `s` (row stride
+/// `s_stride`): the weights recomputed from the forward's log-sum-exp in
+/// the backward pass. A row whose shift is `−inf` saw no key and becomes 0.
+pub(crate) struct ExpRowsShifted<'a> {
+    pub s: &'a mut [f32],
+    pub keys: usize,
+    pub s_stride: usize,
+    pub shift: &'a [f32],
+}
+
+impl KernelOp for ExpRowsShifted<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    unsafe fn run<
+        V: Vector,
+        const ROWS: usize,
+        const KEY_VECTORS: usize,
+        const VALUE_VECTORS: usize,
+    >(
+        self,
+    ) {
+        let ExpRowsShifted {
+            s,
+            keys,
+            s_stride,
+            shift,
+        } = self;
+        let rows = shift.len();
+        assert!(keys.is_multiple_of(V::LANES) && keys <= s_stride);
+        assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
+        let s = s.as_mut_ptr();
+        for (r, &shift) in shift.iter().enumerate() {
+            // SAFETY: the caller guarantees V's instruction set; row `r`'s
+            // `keys` entries are inside `s`, as checked above.
+            unsafe {
+                let row = s.add(r * s_stride);
+                for j in (0..keys).step_by(V::LANES) {
+                    let p = if shift == f32::NEG_INFINITY {
+                        V::splat(0.0)
+                    } else {
+                        exp(V::load(row.add(j)).sub(V::splat(shift)))
+                    };
+                    p.store(row.add(j));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! The value kernel, `O ← α·O + P·V` for a tile of query rows: register
+//! tiles of `ROWS` rows × `VALUE_VECTORS` vectors of value columns, with
+//! shorter and narrower tiles for the last few rows and columns (decoding
+//! has one to a few rows) rather than padding that would cost as much as
+//! real work.
+
+use ndarray::ArrayView2;
+
+use super::kernel::KernelOp;
+use super::layout::{PREFETCH_ROWS_AHEAD, Rows, Weights, prefetch_row};
+use super::vector::Vector;
+
+/// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` for the `alpha.len()` rows of
+/// `p` (any strides: `p.t()` of a tile is its transpose, with no copy), the
+/// keys that are `v`'s rows (contiguous), and the first `value_width`
+/// columns (a multiple of `LANES`) of `v` and of row-major `o`.
+pub(crate) struct AccumulateValues<'a> {
+    pub p: ArrayView2<'a, f32>,
+    pub v: ArrayView2<'a, f32>,
+    pub value_width: usize,
+    pub alpha: &'a [f32],
+    pub o: &'a mut [f32],
+}
+
+impl KernelOp for AccumulateValues<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    unsafe fn run<
+        V: Vector,
+        const ROWS: usize,
+        const KEY_VECTORS: usize,
+        const VALUE_VECTORS: usize,
+    >(
+        self,
+    ) {
+        const {
+            assert!(
+                ROWS <= 6 && VALUE_VECTORS <= 4,
+                "see the remainder tiles below"
+            )
+        };
+        let AccumulateValues {
+            p,
+            v,
+            value_width,
+            alpha,
+            o,
+        } = self;
+        let (rows, keys) = (alpha.len(), v.nrows());
+        assert!(
+            value_width > 0 && value_width.is_multiple_of(V::LANES) && v.ncols() >= value_width
+        );
+        assert!(p.nrows() == rows && p.ncols() >= keys);
+        assert!(o.len() == rows * value_width);
+        let (p, v, alpha, o) = (
+            Weights::of(&p),
+            Rows::of(&v),
+            alpha.as_ptr(),
+            o.as_mut_ptr(),
+        );
+        let vectors = value_width / V::LANES;
+        // SAFETY: the caller guarantees V's instruction set; `p` and `v`
+        // are those of valid views, and each block covers rows r0..r0+ROWS
+        // (or the last few rows) inside the sizes checked above.
+        unsafe {
+            let block = |r0: usize| ValueBlock {
+                p: p.starting_at_row(r0),
+                keys,
+                v,
+                value_width,
+                alpha: alpha.add(r0),
+                o: o.add(r0 * value_width),
+            };
+            let whole = rows - rows % ROWS;
+            for r0 in (0..whole).step_by(ROWS) {
+                block(r0).run_columns::<V, ROWS, VALUE_VECTORS>(vectors);
+            }
+            // The last few rows, with a shorter register tile.
+            match rows - whole {
+                0 => {}
+                1 => block(whole).run_columns::<V, 1, VALUE_VECTORS>(vectors),
+                2 => block(whole).run_columns::<V, 2, VALUE_VECTORS>(vectors),
+                3 => block(whole).run_columns::<V, 3, VALUE_VECTORS>(vectors),
+                4 => block(whole).run_columns::<V, 4, VALUE_VECTORS>(vectors),
+                5 => block(whole).run_columns::<V, 5, VALUE_VECTORS>(vectors),
+                _ => unreachable!("ROWS is at most 6"),
+            }
+        }
+    }
+}
+
+/// `MR` rows of [`AccumulateValues`], starting at their first row.
+#[derive(Clone, Copy)]
+struct ValueBlock {
+    p: Weights,
+    keys: usize,
+    v: Rows,
+    value_width: usize,
+    alpha: *const f32,
+    o: *mut f32,
+}
+
+impl ValueBlock {
+    /// All `vectors` value vectors of the block's `MR` rows, `NV` at a time.
+    ///
+    /// # Safety
+    /// The CPU has `V`'s instruction set; the block's `MR` rows and
+    /// `vectors` value vectors are inside the matrices, as
+    /// [`AccumulateValues`] checks.
+    #[inline(always)]
+    unsafe fn run_columns<V: Vector, const MR: usize, const NV: usize>(self, vectors: usize) {
+        // SAFETY: the caller guarantees the instruction set and the sizes;
+        // `c0 + W <= vectors` for every run below.
+        unsafe {
+            let mut c0 = 0;
+            while c0 + NV <= vectors {
+                self.run::<V, MR, NV>(c0);
+                c0 += NV;
+            }
+            // The last few value vectors, with a narrower register tile.
+            match vectors - c0 {
+                0 => {}
+                1 => self.run::<V, MR, 1>(c0),
+                2 => self.run::<V, MR, 2>(c0),
+                3 => self.run::<V, MR, 3>(c0),
+                _ => unreachable!("NV is at most 4"),
+            }
+        }
+    }
+
+    /// Value vectors `c0..c0 + W` of the block's `MR` rows.
+    ///
+    /// # Safety
+    /// As [`ValueBlock::run_columns`], for these rows and vectors.
+    #[inline(always)]
+    unsafe fn run<V: Vector, const MR: usize, const W: usize>(self, c0: usize) {
+        // SAFETY: the caller guarantees the instruction set, and that these
+        // rows, keys and value vectors are inside the matrices.
+        unsafe {
+            let column = c0 * V::LANES;
+            // This tile's P·V is summed from zero and only then added to the
+            // rescaled O: 64 terms per sum instead of len_kv, which keeps
+            // the rounding error of long rows at the blocked-sum level.
+            let mut acc = [[V::splat(0.0); W]; MR];
+            for j in 0..self.keys {
+                let v_row = self.v.row(j).add(column);
+                if c0 == 0 {
+                    // Later column blocks find the rows in L1.
+                    prefetch_row::<V>(self.v, j + PREFETCH_ROWS_AHEAD, self.value_width);
+                }
+                let v_vectors: [V; W] = std::array::from_fn(|c| V::load(v_row.add(c * V::LANES)));
+                for (r, acc_row) in acc.iter_mut().enumerate() {
+                    let weight = V::splat(self.p.at(r, j));
+                    for (x, &vv) in acc_row.iter_mut().zip(&v_vectors) {
+                        *x = weight.mul_add(vv, *x);
+                    }
+                }
+            }
+            for (r, acc_row) in acc.iter().enumerate() {
+                let a = V::splat(*self.alpha.add(r));
+                for (c, x) in acc_row.iter().enumerate() {
+                    let o = self.o.add(r * self.value_width + column + c * V::LANES);
+                    V::load(o).mul_add(a, *x).store(o);
+                }
+            }
+        }
+    }
+}
