@@ -439,3 +439,52 @@ fn key_shards_past_the_addressable_range_are_errors() {
         assert!((x - y).abs() < 1e-6);
     }
 }
+
+#[test]
+fn a_nan_in_an_early_key_tile_sticks_through_later_finite_tiles() {
+    // Keys 0..64 (the first key tile) give NaN scores, keys 64..130 finite
+    // ones: the first tile alone sees nothing finite, yet the row is NaN.
+    for len_q in [2, 100] {
+        let (q, mut k, v) = (
+            data((1, 1, len_q, 16), 1),
+            data((1, 1, 130, 16), 2),
+            data((1, 1, 130, 16), 3),
+        );
+        k.slice_mut(s![0, 0, ..64, 0]).fill(f64::NAN);
+        let (o32, o64) = (AttentionOptions::new(), AttentionOptions::new());
+        for (path, out) in every_path(&q, &k, &v, &o32, &o64) {
+            assert!(out.iter().all(|x| x.is_nan()), "{path} (len_q {len_q})");
+        }
+    }
+}
+
+#[test]
+fn a_huge_user_log_sum_exp_in_the_backward_does_not_panic() {
+    // A forward result received from elsewhere with a log-sum-exp of −1e30:
+    // exp(s − lse) overflows to +inf, which must not overflow an integer.
+    let (q, k, v) = (
+        data((1, 1, 3, 16), 1),
+        data((1, 1, 70, 16), 2),
+        data((1, 1, 70, 16), 3),
+    );
+    let (q, k, v) = (f32s(&q), f32s(&k), f32s(&v));
+    let forward = AttentionPartial::from_parts(
+        Array4::<f32>::zeros((1, 1, 3, 16)),
+        ndarray::Array3::from_elem((1, 1, 3), -1e30f32),
+    )
+    .unwrap();
+    for set in available_kernel_sets() {
+        let grads = on(set, || {
+            sdpa::scaled_dot_product_attention_backward(
+                q.view(),
+                k.view(),
+                v.view(),
+                &AttentionOptions::new(),
+                &forward,
+                q.view(),
+            )
+        })
+        .unwrap();
+        assert!(grads.d_v.iter().any(|x| !x.is_finite()), "{set}");
+    }
+}

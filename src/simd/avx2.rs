@@ -101,6 +101,12 @@ unsafe impl Vector for __m256 {
         unsafe { _mm256_max_ps(self, other) }
     }
     #[inline(always)]
+    unsafe fn min(self, other: Self) -> Self {
+        // `minps` is exactly `self < other ? self : other`.
+        // SAFETY: AVX2 and FMA (the caller's).
+        unsafe { _mm256_min_ps(self, other) }
+    }
+    #[inline(always)]
     unsafe fn zero_where_less(self, threshold: Self, value: Self) -> Self {
         // SAFETY: AVX2 and FMA (the caller's).
         unsafe { _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(self, threshold), value) }

@@ -101,6 +101,12 @@ unsafe impl Vector for __m512 {
         unsafe { _mm512_max_ps(self, other) }
     }
     #[inline(always)]
+    unsafe fn min(self, other: Self) -> Self {
+        // `vminps` is exactly `self < other ? self : other`.
+        // SAFETY: AVX-512F (the caller's).
+        unsafe { _mm512_min_ps(self, other) }
+    }
+    #[inline(always)]
     unsafe fn zero_where_less(self, threshold: Self, value: Self) -> Self {
         // SAFETY: AVX-512F (the caller's).
         unsafe { _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_NLT_UQ>(self, threshold), value) }

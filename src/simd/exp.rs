@@ -10,6 +10,11 @@ use super::vector::Vector;
 /// Below `ln(2^-126)`, e^x is subnormal in `f32`; `exp` returns 0 there, so
 /// `2^n` never leaves the normal range and `−inf` gives 0 without a NaN.
 pub(crate) const EXP_MIN_INPUT: f32 = -87.336_55;
+/// Above `ln(f32::MAX) ≈ 88.72`, e^x is `+inf`. Inputs are clamped here, so
+/// `n ≤ 128` and `2^n` is built without integer overflow: `2^128` is the
+/// bit pattern of `+inf`, and the result is `+inf` for any larger input
+/// (a backward's log-sum-exp of −1e30 from a user, say).
+const EXP_MAX_INPUT: f32 = 88.75;
 /// log2(e): x·LOG2_E rounded is `n`.
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 /// ln 2 split in two (Cody and Waite): LN2_HI has only 9 significant bits, so
@@ -39,7 +44,7 @@ const EXP_POLY: [f32; 7] = [
     0.001_381_587,
 ];
 
-/// `e^x` in every lane, for `x ≤ 0` (and up to 88.7).
+/// `e^x` in every lane, for `x ≤ 0` (and up to 88.7; `+inf` above).
 ///
 /// Measured maximum error 1.02 ulp against `e^x` computed in f64, over every
 /// `f32` in [−87.3, 0], on every kernel set (the exhaustive test
@@ -54,8 +59,9 @@ pub(crate) unsafe fn exp<V: Vector>(x: V) -> V {
     // SAFETY: the caller guarantees V's instruction set, and only register
     // operations follow.
     unsafe {
-        // `max` keeps a NaN in its second operand, so NaN goes through.
-        let clamped = V::splat(EXP_MIN_INPUT).max(x);
+        // `max` and `min` keep a NaN in their second operand, so NaN goes
+        // through.
+        let clamped = V::splat(EXP_MAX_INPUT).min(V::splat(EXP_MIN_INPUT).max(x));
         let magic = V::splat(ROUND_MAGIC);
         let n = clamped.mul_add(V::splat(LOG2_E), magic).sub(magic);
         let r = n.mul_add(V::splat(-LN2_HI), clamped);

@@ -100,6 +100,13 @@ unsafe impl Vector for float32x4_t {
         unsafe { vmaxq_f32(self, other) }
     }
     #[inline(always)]
+    unsafe fn min(self, other: Self) -> Self {
+        // `fmin` returns NaN when either lane is NaN, which keeps a NaN in
+        // `other` as the trait asks (and one in `self` too).
+        // SAFETY: NEON (the caller's).
+        unsafe { vminq_f32(self, other) }
+    }
+    #[inline(always)]
     unsafe fn zero_where_less(self, threshold: Self, value: Self) -> Self {
         // SAFETY: NEON (the caller's).
         unsafe {

@@ -75,6 +75,10 @@ unsafe impl Vector for f32 {
         if self > other { self } else { other }
     }
     #[inline(always)]
+    unsafe fn min(self, other: Self) -> Self {
+        if self < other { self } else { other }
+    }
+    #[inline(always)]
     unsafe fn zero_where_less(self, threshold: Self, value: Self) -> Self {
         if self < threshold { 0.0 } else { value }
     }

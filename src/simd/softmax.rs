@@ -68,8 +68,17 @@ impl KernelOp for SoftmaxRows<'_> {
                 let old_max = max[r];
                 let new_max = row_max.reduce_max().max(old_max);
                 if new_max == f32::NEG_INFINITY {
+                    // Nothing finite here, but a NaN score must stick: the
+                    // sum of the lanes is NaN exactly when one is NaN (the
+                    // rest are −inf), and a NaN ℓ stays NaN through every
+                    // later tile (α·NaN), so the row ends NaN, as in `core`.
+                    let mut poison = V::splat(0.0);
                     for j in (0..keys).step_by(V::LANES) {
+                        poison = poison.add(V::load(row.add(j)));
                         V::splat(0.0).store(row.add(j));
+                    }
+                    if poison.reduce_sum().is_nan() {
+                        sum[r] = f32::NAN;
                     }
                     alpha[r] = 1.0;
                     continue;

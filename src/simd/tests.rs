@@ -153,6 +153,31 @@ fn exp_special_values() {
     }
 }
 
+#[test]
+fn exp_saturates_to_infinity_above_the_f32_range() {
+    // 2^n is built in the exponent bits: an unclamped n overflowed the
+    // integer add (a debug panic on the scalar set, garbage on the others).
+    let x = vec![
+        88.0,
+        88.8,
+        89.0,
+        1e3,
+        1e30,
+        f32::MAX,
+        f32::INFINITY,
+        1e30,
+        88.0,
+    ];
+    for (set, (_, y)) in for_each_kernel_set(Exp(x)) {
+        assert!(
+            ulp_error(y[0], 88f64.exp()) <= 2.0,
+            "{set}: exp(88) = {}",
+            y[0]
+        );
+        assert!(y[1..8].iter().all(|&y| y == f32::INFINITY), "{set}: {y:?}");
+    }
+}
+
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut state = seed;

@@ -64,12 +64,19 @@ pub(crate) unsafe trait Vector: Copy {
     /// # Safety
     /// The CPU has the instruction set of `Self`.
     unsafe fn max(self, other: Self) -> Self;
+    /// Lane-wise `if self < other { self } else { other }`: a NaN in
+    /// `other` is kept, as x86's `minps` does.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
+    unsafe fn min(self, other: Self) -> Self;
     /// Lane-wise `if self < threshold { 0 } else { value }` (false for NaN).
     ///
     /// # Safety
     /// The CPU has the instruction set of `Self`.
     unsafe fn zero_where_less(self, threshold: Self, value: Self) -> Self;
-    /// `2^n` for lanes holding whole numbers `n` in `[-126, 127]`.
+    /// `2^n` for lanes holding whole numbers `n` in `[-126, 128]` (`2^128`
+    /// is the bit pattern of `+inf`).
     ///
     /// # Safety
     /// The CPU has the instruction set of `Self`.
