@@ -55,7 +55,8 @@ impl KernelOp for SoftmaxRows<'_> {
         assert!(keys.is_multiple_of(V::LANES) && keys <= s_stride);
         assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
         let s = s.as_mut_ptr();
-        for r in 0..rows {
+        // Pass 1: each row's new maximum m', into `alpha` for now.
+        for (r, new_max) in alpha.iter_mut().enumerate() {
             // SAFETY: the caller guarantees V's instruction set (and `f32`'s
             // needs none); row `r`'s `keys` entries are inside `s`, as
             // checked above.
@@ -65,8 +66,33 @@ impl KernelOp for SoftmaxRows<'_> {
                 for j in (0..keys).step_by(V::LANES) {
                     row_max = V::load(row.add(j)).max(row_max);
                 }
-                let old_max = max[r];
-                let new_max = row_max.reduce_max().max(old_max);
+                *new_max = row_max.reduce_max().max(max[r]);
+            }
+        }
+        // Pass 2: α = e^(m − m') for `LANES` rows at a time with the vector
+        // exp. One scalar exp per row was a chain of dependent operations
+        // that dominated the pass when a row is only a few vectors long.
+        const { assert!(V::LANES <= 16, "the arrays below hold one vector") };
+        for first in (0..rows).step_by(V::LANES) {
+            let n = V::LANES.min(rows - first);
+            let (mut old, mut new, mut factor) = ([0.0f32; 16], [0.0f32; 16], [0.0f32; 16]);
+            old[..n].copy_from_slice(&max[first..first + n]);
+            new[..n].copy_from_slice(&alpha[first..first + n]);
+            // SAFETY: V's instruction set (the caller's); every LANES ≤ 16,
+            // so each array holds a whole vector.
+            unsafe {
+                let old = V::load(old.as_ptr());
+                exp(old.sub(V::load(new.as_ptr()))).store(factor.as_mut_ptr());
+            }
+            max[first..first + n].copy_from_slice(&new[..n]);
+            alpha[first..first + n].copy_from_slice(&factor[..n]);
+        }
+        // Pass 3: the weights and the running sums.
+        for r in 0..rows {
+            let new_max = max[r];
+            // SAFETY: as in pass 1.
+            unsafe {
+                let row = s.add(r * s_stride);
                 if new_max == f32::NEG_INFINITY {
                     // Nothing finite here, but a NaN score must stick: the
                     // sum of the lanes is NaN exactly when one is NaN (the
@@ -80,6 +106,7 @@ impl KernelOp for SoftmaxRows<'_> {
                     if poison.reduce_sum().is_nan() {
                         sum[r] = f32::NAN;
                     }
+                    // (−inf) − (−inf) made α NaN in pass 2.
                     alpha[r] = 1.0;
                     continue;
                 }
@@ -90,11 +117,8 @@ impl KernelOp for SoftmaxRows<'_> {
                     p.store(row.add(j));
                     row_sum = row_sum.add(p);
                 }
-                // The same exp, one lane: e^(−inf) = 0 on the first visible tile.
-                let a = exp::<f32>(old_max - new_max);
-                alpha[r] = a;
-                sum[r] = a * sum[r] + row_sum.reduce_sum();
-                max[r] = new_max;
+                // α = e^(−inf) = 0 on a row's first visible tile.
+                sum[r] = alpha[r] * sum[r] + row_sum.reduce_sum();
             }
         }
     }
