@@ -29,12 +29,13 @@
 //! product for `dQ`, and the query rows that see no key are zeroed before
 //! they take part in `dK` and `dV`.
 
-use ndarray::{Array2, ArrayView2, Axis, s};
+use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis, s};
 
 use super::pack::{PackedHead, QueryRows};
+use super::scratch::Scratch;
 use super::tile::{TilePosition, TileSpan, accumulate_skipping_zero_weights, add_bias, mask};
 use super::{KEY_TILE, QUERY_TILE};
-use crate::alloc::try_zeros;
+use crate::alloc::{element_count, try_zeros};
 use crate::call::{AttentionShape, BackwardCall, head, head_mut};
 use crate::error::AttentionError;
 use crate::gradients::GradientsViewMut;
@@ -146,15 +147,23 @@ fn head_gradients<K: Kernel>(
     let k_width = d_k.div_ceil(K::LANES) * K::LANES;
     let v_width = d_v.div_ceil(K::LANES) * K::LANES;
     let padded_keys = len_kv.div_ceil(KEY_TILE) * KEY_TILE;
-    let mut d_k_acc: Array2<f32> = try_zeros("d_k", (padded_keys, k_width))?;
-    let mut d_v_acc: Array2<f32> = try_zeros("d_v", (padded_keys, v_width))?;
+    let accumulator = |what, rows, width| {
+        let len = element_count::<f32>(what, &[rows, width])?;
+        Ok::<_, AttentionError>((Scratch::zeroed(what, len)?, (rows, width)))
+    };
+    let (mut d_k_buffer, d_k_dim) = accumulator("d_k", padded_keys, k_width)?;
+    let (mut d_v_buffer, d_v_dim) = accumulator("d_v", padded_keys, v_width)?;
+    let mut d_k_acc = ArrayViewMut2::from_shape(d_k_dim, &mut d_k_buffer[..]).expect("its size");
+    let mut d_v_acc = ArrayViewMut2::from_shape(d_v_dim, &mut d_v_buffer[..]).expect("its size");
 
     let group = shape.group();
     let mut d_q = Vec::with_capacity(group);
     let mut d_scores = Vec::with_capacity(group);
     for h in kv_h * group..(kv_h + 1) * group {
         rows.fill(call, b, h);
-        let mut d_q_acc: Array2<f32> = try_zeros("d_q", (rows.padded, k_width))?;
+        let (mut d_q_buffer, d_q_dim) = accumulator("d_q", rows.padded, k_width)?;
+        let mut d_q_acc =
+            ArrayViewMut2::from_shape(d_q_dim, &mut d_q_buffer[..]).expect("its size");
         let mut d_scores_h: Option<Array2<f32>> = match forward.opts.bias {
             Some(_) => Some(try_zeros("the bias gradient", (len_q, len_kv))?),
             None => None,
@@ -182,9 +191,9 @@ fn head_gradients<K: Kernel>(
                     values_first,
                 };
                 let sums = GradientSums {
-                    d_k: &mut d_k_acc,
-                    d_v: &mut d_v_acc,
-                    d_q: &mut d_q_acc,
+                    d_k: d_k_acc.view_mut(),
+                    d_v: d_v_acc.view_mut(),
+                    d_q: d_q_acc.view_mut(),
                     d_scores: d_scores_h.as_mut(),
                 };
                 scratch.step(kernel, forward, &step, &packed, sums);
@@ -238,9 +247,9 @@ struct PackedInputs<'p> {
 /// The accumulators one step adds to: `dK`, `dV` of the key/value head and
 /// `dQ` of the query head, padded; `dS` `[len_q, len_kv]` with a bias.
 struct GradientSums<'s> {
-    d_k: &'s mut Array2<f32>,
-    d_v: &'s mut Array2<f32>,
-    d_q: &'s mut Array2<f32>,
+    d_k: ArrayViewMut2<'s, f32>,
+    d_v: ArrayViewMut2<'s, f32>,
+    d_q: ArrayViewMut2<'s, f32>,
     d_scores: Option<&'s mut Array2<f32>>,
 }
 
@@ -290,9 +299,9 @@ impl TileBuffers {
             values_first,
         } = *packed;
         let GradientSums {
-            d_k: d_k_acc,
-            d_v: d_v_acc,
-            d_q: d_q_acc,
+            d_k: mut d_k_acc,
+            d_v: mut d_v_acc,
+            d_q: mut d_q_acc,
             d_scores,
         } = sums;
         let (d_k, d_v) = (shape.d_k, shape.d_v);
@@ -324,7 +333,7 @@ impl TileBuffers {
             .expect("a standard-layout tile");
         kernel.accumulate_values(
             p_tile.t(),
-            rows.d_out_rows.slice(s![i0..i0 + n, ..]),
+            rows.d_out_rows(i0, n),
             v_width,
             &self.ones[..KEY_TILE],
             d_v_tile,
@@ -365,14 +374,14 @@ impl TileBuffers {
             .expect("a standard-layout tile");
         kernel.accumulate_values(
             d_s_tile.t(),
-            rows.q_scaled_rows.slice(s![i0..i0 + n, ..]),
+            rows.q_scaled_rows(i0, n),
             k_width,
             &self.ones[..KEY_TILE],
             d_k_tile,
         );
 
         // dQ_i += dS · K_j (scaled at the end).
-        let k_rows = values_first.rows.slice(s![j0..j0 + KEY_TILE, ..]);
+        let k_rows = values_first.tile_rows(j0);
         let d_q_tile = d_q_acc
             .slice_mut(s![i0..i0 + n, ..])
             .into_slice()

@@ -4,7 +4,7 @@
 //! to `decode.rs` instead.
 
 use ndarray::{
-    ArrayView2, ArrayViewMut, ArrayViewMut3, ArrayViewMut4, Axis, Dimension, RemoveAxis, s,
+    ArrayView2, ArrayViewMut, ArrayViewMut3, ArrayViewMut4, Axis, Dimension, RemoveAxis,
 };
 
 use super::decode;
@@ -143,7 +143,7 @@ impl KeySource for PackedKeys<'_> {
     /// Packing noted which tiles hold a non-finite value.
     fn values(&self, j0: usize, _p: ArrayView2<'_, f32>) -> (ArrayView2<'_, f32>, bool) {
         (
-            self.packed.rows.slice(s![j0..j0 + KEY_TILE, ..]),
+            self.packed.tile_rows(j0),
             self.packed.tile_has_nonfinite_rows[j0 / KEY_TILE],
         )
     }

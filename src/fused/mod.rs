@@ -29,12 +29,14 @@
 //! - `tile.rs`: one query tile's online softmax, shared by both drivers,
 //!   and the per-tile bias and mask the backward uses too;
 //! - `pack.rs`: the packed layouts the kernels read;
+//! - `scratch.rs`: aligned working buffers, kept per thread across calls;
 //! - `backward.rs`: the gradients, on the same kernels.
 
 mod backward;
 mod decode;
 mod forward;
 mod pack;
+mod scratch;
 mod tile;
 
 use ndarray::{ArrayViewMut3, ArrayViewMut4};

@@ -6,10 +6,11 @@
 //! Padding (keys to whole key tiles, rows to whole query tiles, columns to
 //! whole vectors) is zero, so the kernels have no ragged edges.
 
-use ndarray::{Array2, ArrayView1, ArrayView2, Axis};
+use ndarray::{ArrayView1, ArrayView2, Axis};
 
+use super::scratch::Scratch;
 use super::{KEY_TILE, QUERY_TILE};
-use crate::alloc::{element_count, try_filled, try_zeros};
+use crate::alloc::{element_count, try_filled};
 use crate::call::{AttentionShape, BackwardCall, head};
 use crate::error::AttentionError;
 use crate::simd::Kernel;
@@ -22,9 +23,11 @@ use crate::simd::Kernel;
 pub(crate) struct PackedHead {
     /// The first matrix in panels of `K::KEY_PANEL` keys, each
     /// `[width][KEY_PANEL]`.
-    pub(crate) panels: Vec<f32>,
-    /// The second matrix, `[len_kv padded][width rounded up to the vector width]`.
-    pub(crate) rows: Array2<f32>,
+    panels: Scratch,
+    /// The second matrix, `[len_kv padded][row_width]`, `row_width` rounded
+    /// up to the vector width.
+    rows: Scratch,
+    row_width: usize,
     /// Per key tile: does `rows` hold a NaN or an infinity there?
     pub(crate) tile_has_nonfinite_rows: Vec<bool>,
 }
@@ -44,9 +47,11 @@ impl PackedHead {
         let padded_keys = tiles * KEY_TILE;
         let row_width = row_width.div_ceil(K::LANES) * K::LANES;
         let panels = element_count::<f32>("packed keys", &[padded_keys, panel_width])?;
+        let rows = element_count::<f32>("packed values", &[padded_keys, row_width])?;
         Ok(Self {
-            panels: try_filled("packed keys", panels, 0.0)?,
-            rows: try_zeros("packed values", (padded_keys, row_width))?,
+            panels: Scratch::zeroed("packed keys", panels)?,
+            rows: Scratch::zeroed("packed values", rows)?,
+            row_width,
             tile_has_nonfinite_rows: try_filled("packed values", tiles, false)?,
         })
     }
@@ -71,13 +76,12 @@ impl PackedHead {
             }
         }
         self.tile_has_nonfinite_rows.fill(false);
-        for (j, (row, mut packed)) in for_rows
+        for (j, (row, packed)) in for_rows
             .rows()
             .into_iter()
-            .zip(self.rows.rows_mut())
+            .zip(self.rows.chunks_exact_mut(self.row_width))
             .enumerate()
         {
-            let packed = packed.as_slice_mut().expect("packed rows are contiguous");
             match row.as_slice() {
                 Some(row) => packed[..row.len()].copy_from_slice(row),
                 None => packed
@@ -92,6 +96,12 @@ impl PackedHead {
         }
     }
 
+    /// The rows of the key tile starting at `j0`, `[KEY_TILE, row_width]`.
+    pub(crate) fn tile_rows(&self, j0: usize) -> ArrayView2<'_, f32> {
+        let tile = &self.rows[j0 * self.row_width..(j0 + KEY_TILE) * self.row_width];
+        ArrayView2::from_shape((KEY_TILE, self.row_width), tile).expect("a whole tile")
+    }
+
     /// The `panel_width`-wide panels of the key tile starting at `j0`.
     pub(crate) fn tile_panels(&self, j0: usize, panel_width: usize) -> &[f32] {
         &self.panels[j0 * panel_width..(j0 + KEY_TILE) * panel_width]
@@ -104,11 +114,13 @@ impl PackedHead {
 /// nothing anywhere.
 pub(crate) struct QueryRows {
     /// `scale·q`, `[padded][d_k]` for `scores`, and `[padded][k_width]` as rows.
-    pub(crate) q_scaled: Vec<f32>,
-    pub(crate) q_scaled_rows: Array2<f32>,
+    pub(crate) q_scaled: Scratch,
+    q_scaled_rows: Scratch,
     /// `d_out`, `[padded][d_v]` for `scores`, and `[padded][v_width]` as rows.
-    pub(crate) d_out: Vec<f32>,
-    pub(crate) d_out_rows: Array2<f32>,
+    pub(crate) d_out: Scratch,
+    d_out_rows: Scratch,
+    k_width: usize,
+    v_width: usize,
     /// `D_i = Σ_c dO_ic · O_ic`.
     pub(crate) delta: Vec<f32>,
     pub(crate) log_sum_exp: Vec<f32>,
@@ -128,15 +140,30 @@ impl QueryRows {
             d_v.div_ceil(K::LANES) * K::LANES,
         );
         let what = "the backward's query rows";
+        let buffer = |width| Scratch::zeroed(what, element_count::<f32>(what, &[padded, width])?);
         Ok(QueryRows {
-            q_scaled: try_filled(what, element_count::<f32>(what, &[padded, d_k])?, 0.0)?,
-            q_scaled_rows: try_zeros(what, (padded, k_width))?,
-            d_out: try_filled(what, element_count::<f32>(what, &[padded, d_v])?, 0.0)?,
-            d_out_rows: try_zeros(what, (padded, v_width))?,
+            q_scaled: buffer(d_k)?,
+            q_scaled_rows: buffer(k_width)?,
+            d_out: buffer(d_v)?,
+            d_out_rows: buffer(v_width)?,
+            k_width,
+            v_width,
             delta: try_filled(what, padded, 0.0)?,
             log_sum_exp: try_filled(what, padded, f32::NEG_INFINITY)?,
             padded,
         })
+    }
+
+    /// Rows `i0..i0 + n` of `scale·q`, `[n, k_width]`.
+    pub(crate) fn q_scaled_rows(&self, i0: usize, n: usize) -> ArrayView2<'_, f32> {
+        let rows = &self.q_scaled_rows[i0 * self.k_width..(i0 + n) * self.k_width];
+        ArrayView2::from_shape((n, self.k_width), rows).expect("whole rows")
+    }
+
+    /// Rows `i0..i0 + n` of `d_out`, `[n, v_width]`.
+    pub(crate) fn d_out_rows(&self, i0: usize, n: usize) -> ArrayView2<'_, f32> {
+        let rows = &self.d_out_rows[i0 * self.v_width..(i0 + n) * self.v_width];
+        ArrayView2::from_shape((n, self.v_width), rows).expect("whole rows")
     }
 
     /// Packs query head `h` of batch item `b`. Every real row is written
@@ -161,12 +188,12 @@ impl QueryRows {
             .zip(d_out.rows())
             .zip(&lse)
             .zip(self.q_scaled.chunks_exact_mut(d_k))
-            .zip(self.q_scaled_rows.rows_mut())
+            .zip(self.q_scaled_rows.chunks_exact_mut(self.k_width))
             .zip(self.d_out.chunks_exact_mut(d_v))
-            .zip(self.d_out_rows.rows_mut())
+            .zip(self.d_out_rows.chunks_exact_mut(self.v_width))
             .zip(self.delta.iter_mut().zip(self.log_sum_exp.iter_mut()));
         for (
-            (((((((q, out), d_out), &lse), q_scaled), mut q_row), d_out_packed), mut d_out_row),
+            (((((((q, out), d_out), &lse), q_scaled), q_row), d_out_packed), d_out_row),
             (delta, lse_packed),
         ) in rows
         {
@@ -175,8 +202,8 @@ impl QueryRows {
             *lse_packed = lse;
             copy_scaled(q_scaled, q, if sees_keys { scale } else { 0.0 });
             copy_scaled(d_out_packed, d_out, if sees_keys { 1.0 } else { 0.0 });
-            q_row.as_slice_mut().expect("contiguous")[..d_k].copy_from_slice(q_scaled);
-            d_out_row.as_slice_mut().expect("contiguous")[..d_v].copy_from_slice(d_out_packed);
+            q_row[..d_k].copy_from_slice(q_scaled);
+            d_out_row[..d_v].copy_from_slice(d_out_packed);
             *delta = if sees_keys {
                 d_out_packed
                     .iter()

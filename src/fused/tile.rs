@@ -9,7 +9,7 @@ use std::ops::Range;
 use ndarray::{ArrayView2, ArrayViewMut1, ArrayViewMut2, s};
 
 use super::KEY_TILE;
-use crate::alloc::try_filled;
+use super::scratch::Scratch;
 use crate::call::{AttentionShape, Call};
 use crate::error::AttentionError;
 use crate::mask::{biased, broadcast};
@@ -172,15 +172,15 @@ pub(crate) trait KeySource {
 /// The buffers of one query tile, reused from tile to tile.
 pub(crate) struct QueryTile {
     /// Scaled query rows `[computed rows][d_k]`.
-    q: Vec<f32>,
+    q: Scratch,
     /// Scores, then weights, `[computed rows][KEY_TILE]`.
-    scores: Vec<f32>,
+    scores: Scratch,
     /// Unnormalised output `[computed rows][value_width]`.
-    o: Vec<f32>,
+    o: Scratch,
     /// Running row max `m`, running sum `ℓ`, and this step's rescale `α`.
-    max: Vec<f32>,
-    sum: Vec<f32>,
-    alpha: Vec<f32>,
+    max: Scratch,
+    sum: Scratch,
+    alpha: Scratch,
     value_width: usize,
 }
 
@@ -196,7 +196,7 @@ impl QueryTile {
         let rows = rows.div_ceil(K::ROWS) * K::ROWS;
         let value_width = shape.d_v.div_ceil(K::LANES) * K::LANES;
         let buffer =
-            |len: Option<usize>| try_filled("a query tile", len.unwrap_or(usize::MAX), 0.0);
+            |len: Option<usize>| Scratch::zeroed("a query tile", len.unwrap_or(usize::MAX));
         Ok(Self {
             q: buffer(rows.checked_mul(shape.d_k))?,
             scores: buffer(Some(rows * KEY_TILE))?,
