@@ -40,7 +40,7 @@ impl Scratch {
     /// # Errors
     /// When the buffer is too large to address or cannot be allocated.
     pub(crate) fn filled(what: &str, len: usize, value: f32) -> Result<Self, AttentionError> {
-        let room = len.checked_add(LINE).unwrap_or(usize::MAX);
+        let room = len.saturating_add(LINE);
         let reused = SPARE.with_borrow_mut(|spare| {
             // The smallest spare that fits, so large ones stay for large calls.
             let best = (0..spare.len())
