@@ -792,17 +792,19 @@ fn new_with_a_capacity_past_memory() {
 /// positions: growing with room to spare, growing and full, a ring that
 /// has wrapped (its oldest entry not in slot 0), and a ring not yet full.
 fn used_caches() -> Vec<KvCache<f32>> {
-    let fill = |mut cache: KvCache<f32>, n: usize| {
-        let k = filled::<f32, _>(n as u64, (2, 2, n, 3));
-        let v = filled::<f32, _>(n as u64 + 1, (2, 2, n, 4));
-        cache.append(k.view(), v.view()).unwrap();
+    let fill = |mut cache: KvCache<f32>, chunks: &[usize]| {
+        for &n in chunks {
+            let k = filled::<f32, _>(n as u64, (2, 2, n, 3));
+            let v = filled::<f32, _>(n as u64 + 1, (2, 2, n, 4));
+            cache.append(k.view(), v.view()).unwrap();
+        }
         cache
     };
     vec![
-        fill(KvCache::new(2, 2, 3, 4, 8).unwrap(), 5),
-        fill(KvCache::new(2, 2, 3, 4, 5).unwrap(), 5),
-        fill(KvCache::with_window(4, 2, 2, 3, 4).unwrap(), 9),
-        fill(KvCache::with_window(4, 2, 2, 3, 4).unwrap(), 2),
+        fill(KvCache::new(2, 2, 3, 4, 8).unwrap(), &[5]),
+        fill(KvCache::new(2, 2, 3, 4, 5).unwrap(), &[5]),
+        fill(KvCache::with_window(4, 2, 2, 3, 4).unwrap(), &[5, 1, 1]),
+        fill(KvCache::with_window(4, 2, 2, 3, 4).unwrap(), &[2]),
     ]
 }
 

@@ -408,6 +408,59 @@ fn new_seeded_zero_d_v() {
     assert_error(result, ErrorKind::ZeroDimension, &["d_v = 0"]);
 }
 
+#[test]
+fn new_seeded_with_d_k_too_large_to_address() {
+    // W^Q [8, usize::MAX / 2]: more elements than can be addressed.
+    let config = AttentionConfig::new(8, usize::MAX / 2, 4);
+    let result = Attention::<f32>::new_seeded(config, 0);
+    assert_error(
+        result,
+        ErrorKind::TooLarge,
+        &["w_q", &(usize::MAX / 2).to_string()],
+    );
+    let result = CausalAttention::<f64>::new_seeded(config, 0);
+    assert_error(result, ErrorKind::TooLarge, &["w_q"]);
+    // With four heads, heads·d_k overflows before any shape is formed.
+    let result = CausalAttention::<f32>::new_seeded(config.with_heads(4), 0);
+    assert_error(result, ErrorKind::TooLarge, &["heads·d_k", "overflows"]);
+    let result =
+        Attention::<f32>::new_seeded(config.with_d_k(4).with_d_v(usize::MAX / 2).with_heads(4), 0);
+    assert_error(result, ErrorKind::TooLarge, &["heads·d_v", "overflows"]);
+}
+
+#[test]
+fn new_seeded_past_memory() {
+    // W^Q [2^40, 4] in f32: 16 TiB.
+    let result = Attention::<f32>::new_seeded(AttentionConfig::new(1 << 40, 4, 4), 0);
+    assert_error(
+        result,
+        ErrorKind::OutOfMemory,
+        &["w_q", "17592186044416 bytes"],
+    );
+}
+
+#[test]
+fn forward_of_an_input_past_memory_or_too_large() {
+    let (layer, causal) = (layer(), causal_layer());
+    let row = Array3::<f64>::zeros((1, 1, 4));
+    // 2^40 positions broadcast from one: their projections need 32 TiB;
+    // 2^59, more bytes than can be addressed.
+    for (len, kind) in [
+        (1 << 40, ErrorKind::OutOfMemory),
+        (1 << 59, ErrorKind::TooLarge),
+    ] {
+        let x = row.broadcast((1, len, 4)).unwrap();
+        let opts = AttentionOptions::new();
+        assert_error(layer.forward_batch(x), kind, &[]);
+        assert_error(causal.forward_batch(x), kind, &[]);
+        assert_error(layer.forward(x.index_axis(Axis(0), 0)), kind, &[]);
+        assert_error(layer.forward_cross(x, x), kind, &[]);
+        assert_error(layer.forward_batch_with_weights(x, &opts), kind, &[]);
+        assert_error(layer.forward_train(x, &opts).map(drop), kind, &[]);
+        assert_error(causal.forward_train(x, &opts).map(drop), kind, &[]);
+    }
+}
+
 fn layer() -> Attention<f64> {
     Attention::new_seeded(AttentionConfig::new(4, 3, 2), 5).unwrap()
 }

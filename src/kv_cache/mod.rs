@@ -602,3 +602,109 @@ impl<F: Element> KvCache<F> {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The staging of new entries, with an attention that fails: the
+    //! public API cannot make a checked attention fail on demand.
+
+    use ndarray::{Array4, ArrayView4, Axis};
+
+    use super::KvCache;
+    use crate::error::{AttentionError, ErrorKind};
+
+    /// `[1, 1, n, 1]` keys (and values) holding `from..from + n`.
+    fn positions(from: usize, n: usize) -> Array4<f64> {
+        Array4::from_shape_fn((1, 1, n, 1), |(_, _, t, _)| (from + t) as f64)
+    }
+
+    /// A cache that has been given positions `0..n`, one at a time (so a
+    /// ring wraps).
+    fn holding(mut cache: KvCache<f64>, n: usize) -> KvCache<f64> {
+        for t in 0..n {
+            let x = positions(t, 1);
+            cache.append(x.view(), x.view()).unwrap();
+        }
+        cache
+    }
+
+    /// Everything about the cache, hidden state included.
+    fn state(cache: &KvCache<f64>) -> (usize, usize, usize, usize, Vec<f64>, Vec<f64>) {
+        (
+            cache.len,
+            cache.total_len,
+            cache.capacity(),
+            cache.oldest_slot,
+            cache.keys().iter().copied().collect(),
+            cache.values().iter().copied().collect(),
+        )
+    }
+
+    fn injected() -> AttentionError {
+        AttentionError::new(ErrorKind::InvalidOption, "injected")
+    }
+
+    /// Growing with room, growing past its capacity, a ring not full, a
+    /// full ring that has wrapped (its oldest entry in slot 1).
+    fn caches() -> Vec<KvCache<f64>> {
+        vec![
+            holding(KvCache::new(1, 1, 1, 1, 8).unwrap(), 3),
+            holding(KvCache::new(1, 1, 1, 1, 3).unwrap(), 3),
+            holding(KvCache::with_window(5, 1, 1, 1, 1).unwrap(), 3),
+            holding(KvCache::with_window(3, 1, 1, 1, 1).unwrap(), 7),
+        ]
+    }
+
+    #[test]
+    fn a_failed_attention_stores_nothing() {
+        for n in [1, 2, 4] {
+            for (case, mut cache) in caches().into_iter().enumerate() {
+                let before = state(&cache);
+                let new = positions(100, n);
+                let mut seen = 0;
+                let result: Result<(), _> = cache.attend_next_with(
+                    new.view(),
+                    new.view(),
+                    |keys: ArrayView4<'_, f64>, _, _| {
+                        seen = keys.len_of(Axis(2));
+                        // The new entries are among those the queries see.
+                        assert!(keys.iter().any(|&k| k == 100.0), "case {case}, n {n}");
+                        Err(injected())
+                    },
+                );
+                assert_eq!(result.unwrap_err(), injected());
+                assert!(seen >= n, "case {case}, n {n}");
+                assert_eq!(state(&cache), before, "case {case}, n {n}");
+
+                let result: Result<(), _> =
+                    cache.restart_with(new.view(), new.view(), |_, _, _| Err(injected()));
+                assert_eq!(result.unwrap_err(), injected());
+                assert_eq!(state(&cache), before, "case {case}, n {n}, restart");
+            }
+        }
+    }
+
+    #[test]
+    fn a_successful_attention_stores_the_new_entries() {
+        for (case, mut cache) in caches().into_iter().enumerate() {
+            let new = positions(100, 2);
+            cache
+                .attend_next_with(new.view(), new.view(), |_, _, _| Ok(()))
+                .unwrap();
+            let held: Vec<f64> = cache.keys().iter().copied().collect();
+            assert!(
+                held.contains(&100.0) && held.contains(&101.0),
+                "case {case}: {held:?}"
+            );
+            cache
+                .restart_with(new.view(), new.view(), |_, _, _| Ok(()))
+                .unwrap();
+            let held: Vec<f64> = cache.keys().iter().copied().collect();
+            assert_eq!(
+                (cache.total_len(), held),
+                (2, vec![100.0, 101.0]),
+                "case {case}"
+            );
+        }
+    }
+}
