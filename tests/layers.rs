@@ -1418,3 +1418,20 @@ fn weights_methods_report_bad_shapes() {
         &["key_lengths"],
     );
 }
+
+#[test]
+fn an_empty_batch_of_huge_inputs_is_empty_or_too_large() {
+    let layer =
+        Attention::<f32>::new_seeded(AttentionConfig::new(4, 2, 8).with_heads(2), 1).unwrap();
+    let empty = Array3::<f32>::zeros((0, 1, 4));
+    let x = empty.broadcast((0, 1 << 20, 4)).unwrap();
+    assert_eq!(layer.forward_batch(x).unwrap().shape(), &[0, 1 << 20, 16]);
+    // The values' projection [0, 2^58, 16] holds nothing, but its nonzero
+    // lengths would need 2^64 bytes: ndarray could not address it.
+    let x = empty.broadcast((0, 1 << 58, 4)).unwrap();
+    assert_error(
+        layer.forward_batch(x),
+        ErrorKind::TooLarge,
+        &["nonzero lengths"],
+    );
+}

@@ -24,13 +24,13 @@
 
 use ndarray::linalg::general_mat_mul;
 use ndarray::{
-    Array1, Array2, Array3, Array4, ArrayView2, ArrayView3, ArrayView4, Axis, CowArray, Ix3,
-    ShapeError,
+    Array, Array1, Array2, Array3, Array4, ArrayView2, ArrayView3, ArrayView4, Axis, CowArray,
+    Dimension, IntoDimension, Ix3, ShapeError,
 };
 
 use super::Layer;
 use super::config::describe_config;
-use crate::alloc::{try_with_capacity, try_zeros};
+use crate::alloc::{element_count, try_with_capacity, try_zeros};
 use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
 use crate::options::AttentionOptions;
@@ -127,7 +127,7 @@ impl<F: Element> Layer<F> {
         (batch, heads, len_q, _): (usize, usize, usize, usize),
     ) -> Result<Array4<F>, AttentionError> {
         let dim = (batch, len_q, heads, self.config.d_v);
-        try_zeros("the heads' output [batch, len_q, heads, d_v]", dim)
+        zeros("the heads' output [batch, len_q, heads, d_v]", dim)
     }
 
     /// Attention of the heads `q` over `k`, `v` into `heads_out` (from
@@ -256,15 +256,15 @@ pub(super) fn project<F: Element>(
     b: Option<&Array1<F>>,
 ) -> Result<Array3<F>, AttentionError> {
     let (batch, len, width) = x.dim();
+    let columns = w.ncols();
+    // The result is reshaped to this, so it must be addressable too.
+    addressable::<F>("a projection [batch, len, columns]", &[batch, len, columns])?;
     let x = contiguous("a layer input [batch, len, width]", x)?;
     let rows = x
         .view()
         .into_shape_with_order((batch * len, width))
         .map_err(reshape_error)?;
-    let mut out = try_zeros(
-        "a projection [batch·len, columns]",
-        (rows.nrows(), w.ncols()),
-    )?;
+    let mut out = zeros("a projection [batch·len, columns]", (rows.nrows(), columns))?;
     if rows.nrows() <= FEW_ROWS && w.is_standard_layout() {
         // out[i] = Σ_r x[i, r]·w[r, ..]: reads `w` once, row by row, where
         // a matrix product would first copy all of it into packed panels.
@@ -284,6 +284,28 @@ pub(super) fn project<F: Element>(
     }
     out.into_shape_with_order((batch, len, w.ncols()))
         .map_err(reshape_error)
+}
+
+/// [`try_zeros`], after checking that ndarray can address the shape.
+fn zeros<F: Element, Sh: IntoDimension>(
+    what: &str,
+    shape: Sh,
+) -> Result<Array<F, Sh::Dim>, AttentionError> {
+    let dim = shape.into_dimension();
+    addressable::<F>(what, dim.slice())?;
+    try_zeros(what, dim)
+}
+
+/// Checks that ndarray can address an array of shape `dims`: the product
+/// of its nonzero lengths, in bytes, within `isize::MAX`, even when one
+/// length is zero (an empty batch of huge broadcast inputs).
+fn addressable<F>(what: &str, dims: &[usize]) -> Result<(), AttentionError> {
+    element_count::<F>(what, dims)?;
+    if dims.contains(&0) {
+        let nonzero: Vec<usize> = dims.iter().copied().filter(|&d| d != 0).collect();
+        element_count::<F>(&format!("{what} {dims:?}, whose nonzero lengths"), &nonzero)?;
+    }
+    Ok(())
 }
 
 /// `x` itself when it is in standard (row-major, contiguous) layout;
