@@ -340,7 +340,8 @@ impl<F: Element> KvCache<F> {
     /// let x = Array4::<f32>::ones((1, 1, 3, 4));
     /// cache.append(x.view(), x.view())?;
     /// // 2^60 more positions (a broadcast view of one) cannot be addressed.
-    /// let many = x.broadcast((1, 1, 1 << 60, 4)).unwrap();
+    /// let one = Array4::<f32>::ones((1, 1, 1, 4));
+    /// let many = one.broadcast((1, 1, 1 << 60, 4)).unwrap();
     /// let err = cache.append(many, many).unwrap_err();
     /// assert_eq!(err.kind(), ErrorKind::TooLarge);
     /// assert_eq!((cache.len(), cache.capacity()), (3, 8));
