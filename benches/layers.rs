@@ -93,7 +93,7 @@ fn decode_step(c: &mut Criterion) {
         let weight_bytes = 4 * D_MODEL * D_MODEL * std::mem::size_of::<f32>();
 
         // The layer: prefill `len` positions, then step one token.
-        let mut cache = layer.new_cache(1, len + 1);
+        let mut cache = layer.new_cache(1, len + 1).expect("a small cache");
         let prompt: Array3<f32> = filled(2, (1, len, D_MODEL));
         layer.prefill(prompt.view(), &mut cache).expect("valid");
         let token: Array3<f32> = filled(3, (1, 1, D_MODEL));

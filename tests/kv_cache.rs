@@ -204,7 +204,10 @@ fn decode<F: Element>(
             layer.new_window_cache(batch, w).unwrap(),
             AttentionOptions::new().window(w),
         ),
-        None => (layer.new_cache(batch, capacity), AttentionOptions::new()),
+        None => (
+            layer.new_cache(batch, capacity).unwrap(),
+            AttentionOptions::new(),
+        ),
     };
     let full = layer.forward_batch_with(x.view(), &opts).unwrap();
     let mut parts = vec![
@@ -279,7 +282,7 @@ proptest! {
         let layer = CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 3, 2).with_heads(2), seed).unwrap();
         let mut cache = match window {
             Some(w) => layer.new_window_cache(1, w).unwrap(),
-            None => layer.new_cache(1, 2),
+            None => layer.new_cache(1, 2).unwrap(),
         };
         let a = filled3::<f64>(seed, (1, first, 4));
         let b = filled3::<f64>(seed ^ 7, (1, second, 4));
@@ -287,7 +290,7 @@ proptest! {
         let y = layer.prefill(b.view(), &mut cache).unwrap();
         let mut fresh = match window {
             Some(w) => layer.new_window_cache(1, w).unwrap(),
-            None => layer.new_cache(1, 2),
+            None => layer.new_cache(1, 2).unwrap(),
         };
         prop_assert_eq!(y, layer.prefill(b.view(), &mut fresh).unwrap());
         prop_assert_eq!(cache.total_len(), second);
@@ -423,7 +426,7 @@ fn a_ring_truncates_only_as_far_as_it_can() {
 fn an_empty_step_changes_nothing() {
     let layer =
         CausalAttention::<f32>::new_seeded(AttentionConfig::new(4, 2, 2).with_heads(2), 1).unwrap();
-    let mut cache = layer.new_cache(2, 4);
+    let mut cache = layer.new_cache(2, 4).unwrap();
     let x = filled3::<f32>(1, (2, 3, 4));
     layer.prefill(x.view(), &mut cache).unwrap();
     let y = layer.step(x.slice(s![.., ..0, ..]), &mut cache).unwrap();
@@ -664,7 +667,7 @@ fn layer_new_window_cache_zero() {
 #[test]
 fn layer_step_wrong_width() {
     let layer = layer();
-    let mut cache = layer.new_cache(1, 4);
+    let mut cache = layer.new_cache(1, 4).unwrap();
     let x = Array3::zeros((1, 1, 5));
     assert_error(
         layer.step(x.view(), &mut cache),
@@ -676,7 +679,7 @@ fn layer_step_wrong_width() {
 #[test]
 fn layer_step_with_a_cache_for_another_batch() {
     let layer = layer();
-    let mut cache = layer.new_cache(2, 4);
+    let mut cache = layer.new_cache(2, 4).unwrap();
     let x = Array3::zeros((1, 1, 6));
     assert_error(
         layer.step(x.view(), &mut cache),
@@ -690,7 +693,7 @@ fn layer_step_with_a_cache_for_another_layer() {
     let layer = layer();
     let other =
         CausalAttention::<f64>::new_seeded(AttentionConfig::new(6, 3, 4).with_heads(4), 1).unwrap();
-    let mut cache = other.new_cache(1, 4);
+    let mut cache = other.new_cache(1, 4).unwrap();
     let x = Array3::zeros((1, 1, 6));
     assert_error(
         layer.step(x.view(), &mut cache),
@@ -702,7 +705,7 @@ fn layer_step_with_a_cache_for_another_layer() {
 #[test]
 fn layer_prefill_errors_leave_the_cache_alone() {
     let layer = layer();
-    let mut cache = layer.new_cache(1, 4);
+    let mut cache = layer.new_cache(1, 4).unwrap();
     layer
         .prefill(Array3::zeros((1, 3, 6)).view(), &mut cache)
         .unwrap();
@@ -719,4 +722,228 @@ fn layer_prefill_errors_leave_the_cache_alone() {
         ErrorKind::ShapeMismatch,
         &["d_v = 5"],
     );
+}
+
+// --- too large to address, past memory, and check first, then mutate ------
+
+/// 2^40 positions: 4 TiB for keys one `f32` wide, an allocation that fails
+/// at once (no machine this runs on has that much memory).
+const PAST_MEMORY: usize = 1 << 40;
+
+/// Everything a cache shows.
+#[derive(Debug, PartialEq)]
+struct Shown<F> {
+    len: usize,
+    total_len: usize,
+    capacity: usize,
+    window: Option<usize>,
+    keys: Array4<F>,
+    values: Array4<F>,
+}
+
+fn shown<F: Element>(cache: &KvCache<F>) -> Shown<F> {
+    Shown {
+        len: cache.len(),
+        total_len: cache.total_len(),
+        capacity: cache.capacity(),
+        window: cache.window(),
+        keys: cache.keys().to_owned(),
+        values: cache.values().to_owned(),
+    }
+}
+
+#[test]
+fn new_with_a_capacity_too_large_to_address() {
+    let max = usize::MAX.to_string();
+    assert_error(
+        KvCache::<f32>::new(1, 1, 4, 4, usize::MAX),
+        ErrorKind::TooLarge,
+        &["keys", &max],
+    );
+    assert_error(
+        KvCache::<f64>::with_window(usize::MAX, 1, 1, 4, 4),
+        ErrorKind::TooLarge,
+        &["keys", &max],
+    );
+    // Batch 0 holds nothing, but the other lengths must still be addressable.
+    assert_error(
+        KvCache::<f32>::new(0, 1, 4, 4, usize::MAX),
+        ErrorKind::TooLarge,
+        &["nonzero lengths", &max],
+    );
+}
+
+#[test]
+fn new_with_a_capacity_past_memory() {
+    // 2^40 f32 = 4398046511104 bytes.
+    assert_error(
+        KvCache::<f32>::new(1, 1, 1, 1, PAST_MEMORY),
+        ErrorKind::OutOfMemory,
+        &["keys", "4398046511104 bytes"],
+    );
+    assert_error(
+        KvCache::<f32>::with_window(PAST_MEMORY, 1, 1, 1, 1),
+        ErrorKind::OutOfMemory,
+        &["keys", "4398046511104 bytes"],
+    );
+}
+
+/// Caches for batch 2, 2 key/value heads, d_k 3, d_v 4, each holding some
+/// positions: growing with room to spare, growing and full, a ring that
+/// has wrapped (its oldest entry not in slot 0), and a ring not yet full.
+fn used_caches() -> Vec<KvCache<f32>> {
+    let fill = |mut cache: KvCache<f32>, chunks: &[usize]| {
+        for &n in chunks {
+            let k = filled::<f32, _>(n as u64, (2, 2, n, 3));
+            let v = filled::<f32, _>(n as u64 + 1, (2, 2, n, 4));
+            cache.append(k.view(), v.view()).unwrap();
+        }
+        cache
+    };
+    vec![
+        fill(KvCache::new(2, 2, 3, 4, 8).unwrap(), &[5]),
+        fill(KvCache::new(2, 2, 3, 4, 5).unwrap(), &[5]),
+        fill(KvCache::with_window(4, 2, 2, 3, 4).unwrap(), &[5, 1, 1]),
+        fill(KvCache::with_window(4, 2, 2, 3, 4).unwrap(), &[2]),
+    ]
+}
+
+#[test]
+fn failed_appends_and_attends_change_nothing() {
+    let zeros = |n: usize, heads: usize, d: usize| Array4::<f32>::zeros((2, heads, n, d));
+    let (k1, v1) = (zeros(1, 2, 3), zeros(1, 2, 4));
+    let one = |d: usize| Array4::<f32>::zeros((2, 2, 1, d));
+    let (k_row, v_row, q_row) = (one(3), one(4), Array4::<f32>::zeros((2, 4, 1, 3)));
+    for (case, mut cache) in used_caches().into_iter().enumerate() {
+        let twin = cache.clone();
+        let before = shown(&cache);
+        let expect =
+            |result: Result<(), AttentionError>, kinds: &[ErrorKind], cache: &KvCache<f32>| {
+                let err = result.unwrap_err();
+                assert!(kinds.contains(&err.kind()), "cache {case}: {err}");
+                assert_eq!(shown(cache), before, "cache {case}, after: {err}");
+            };
+        let shape = [ErrorKind::ShapeMismatch];
+        let wrong_batch = Array4::<f32>::zeros((3, 2, 1, 3));
+        expect(cache.append(wrong_batch.view(), v1.view()), &shape, &cache);
+        let wrong_heads = zeros(1, 3, 3);
+        expect(
+            cache
+                .attend(wrong_heads.view(), k1.view(), v1.view())
+                .map(drop),
+            &[ErrorKind::HeadsNotDivisible],
+            &cache,
+        );
+        let no_heads = zeros(1, 0, 3);
+        expect(
+            cache
+                .attend(no_heads.view(), k1.view(), v1.view())
+                .map(drop),
+            &[ErrorKind::ZeroDimension],
+            &cache,
+        );
+        let mut wrong_out = zeros(1, 4, 3);
+        expect(
+            cache.attend_into(q_row.view(), k1.view(), v1.view(), wrong_out.view_mut()),
+            &shape,
+            &cache,
+        );
+        // 2^40 new positions, broadcast from one: their output (and, in a
+        // growing cache, its grown buffers) cannot be allocated; 2^58 cannot
+        // even be addressed.
+        for (n, kind) in [
+            (PAST_MEMORY, ErrorKind::OutOfMemory),
+            (1 << 58, ErrorKind::TooLarge),
+        ] {
+            let q = q_row.broadcast((2, 4, n, 3)).unwrap();
+            let k = k_row.broadcast((2, 2, n, 3)).unwrap();
+            let v = v_row.broadcast((2, 2, n, 4)).unwrap();
+            expect(cache.attend(q, k, v).map(drop), &[kind], &cache);
+            if cache.window().is_none() {
+                expect(cache.append(k, v), &[kind], &cache);
+            }
+        }
+        // And the cache goes on as if nothing had happened.
+        let mut twin = twin;
+        for n in [1, 3] {
+            let q = filled::<f32, _>(7, (2, 4, n, 3));
+            let k = filled::<f32, _>(8, (2, 2, n, 3));
+            let v = filled::<f32, _>(9, (2, 2, n, 4));
+            let out = cache.attend(q.view(), k.view(), v.view()).unwrap();
+            let expected = twin.attend(q.view(), k.view(), v.view()).unwrap();
+            assert_eq!(out, expected, "cache {case}");
+            assert_eq!(shown(&cache), shown(&twin), "cache {case}");
+        }
+    }
+}
+
+#[test]
+fn a_ring_takes_any_number_of_positions_until_their_count_overflows() {
+    let mut ring = KvCache::<f32>::with_window(3, 1, 1, 1, 1).unwrap();
+    let row = filled::<f32, _>(1, (1, 1, 1, 1));
+    let many = row.broadcast((1, 1, 1 << 62, 1)).unwrap();
+    for _ in 0..3 {
+        ring.append(many, many).unwrap();
+    }
+    assert_eq!((ring.len(), ring.total_len()), (3, 3 << 62));
+    assert_eq!(ring.keys(), row.broadcast((1, 1, 3, 1)).unwrap());
+    let before = shown(&ring);
+    assert_error(
+        ring.append(many, many),
+        ErrorKind::TooLarge,
+        &["13835058055282163712 positions", "overflow"],
+    );
+    assert_eq!(shown(&ring), before);
+}
+
+#[test]
+fn failed_steps_and_prefills_change_nothing() {
+    let layer = layer(); // d_model 6, 4 heads over 2 key/value heads, d_k 3, d_v 4
+    let x = filled3::<f64>(3, (1, 7, 6));
+    let row = x.slice(s![.., ..1, ..]);
+    // The layer's projections of 2^40 positions cannot be allocated; of
+    // 2^60, not even addressed.
+    let past_memory = row.broadcast((1, PAST_MEMORY, 6)).unwrap();
+    let too_large = row.broadcast((1, 1 << 60, 6)).unwrap();
+    let wide = Array3::<f64>::zeros((1, 2, 5));
+    let caches = [
+        KvCache::new(1, 2, 3, 4, 8).unwrap(),
+        KvCache::new(1, 2, 3, 4, 7).unwrap(),
+        KvCache::with_window(4, 1, 2, 3, 4).unwrap(),
+        KvCache::with_window(9, 1, 2, 3, 4).unwrap(),
+    ];
+    for (case, mut cache) in caches.into_iter().enumerate() {
+        layer.prefill(x.view(), &mut cache).unwrap();
+        let mut twin = cache.clone();
+        let before = shown(&cache);
+        for (input, kind) in [
+            (wide.view(), ErrorKind::ShapeMismatch),
+            (past_memory, ErrorKind::OutOfMemory),
+            (too_large, ErrorKind::TooLarge),
+        ] {
+            for prefill in [false, true] {
+                let result = match prefill {
+                    true => layer.prefill(input, &mut cache),
+                    false => layer.step(input, &mut cache),
+                };
+                let err = result.unwrap_err();
+                assert_eq!(err.kind(), kind, "cache {case}: {err}");
+                assert_eq!(
+                    shown(&cache),
+                    before,
+                    "cache {case}, prefill {prefill}: {err}"
+                );
+            }
+        }
+        for n in [1, 2] {
+            let next = filled3::<f64>(4 + n as u64, (1, n, 6));
+            let y = layer.step(next.view(), &mut cache).unwrap();
+            assert_eq!(
+                y,
+                layer.step(next.view(), &mut twin).unwrap(),
+                "cache {case}"
+            );
+            assert_eq!(shown(&cache), shown(&twin), "cache {case}");
+        }
+    }
 }

@@ -408,6 +408,59 @@ fn new_seeded_zero_d_v() {
     assert_error(result, ErrorKind::ZeroDimension, &["d_v = 0"]);
 }
 
+#[test]
+fn new_seeded_with_d_k_too_large_to_address() {
+    // W^Q [8, usize::MAX / 2]: more elements than can be addressed.
+    let config = AttentionConfig::new(8, usize::MAX / 2, 4);
+    let result = Attention::<f32>::new_seeded(config, 0);
+    assert_error(
+        result,
+        ErrorKind::TooLarge,
+        &["w_q", &(usize::MAX / 2).to_string()],
+    );
+    let result = CausalAttention::<f64>::new_seeded(config, 0);
+    assert_error(result, ErrorKind::TooLarge, &["w_q"]);
+    // With four heads, heads·d_k overflows before any shape is formed.
+    let result = CausalAttention::<f32>::new_seeded(config.with_heads(4), 0);
+    assert_error(result, ErrorKind::TooLarge, &["heads·d_k", "overflows"]);
+    let result =
+        Attention::<f32>::new_seeded(config.with_d_k(4).with_d_v(usize::MAX / 2).with_heads(4), 0);
+    assert_error(result, ErrorKind::TooLarge, &["heads·d_v", "overflows"]);
+}
+
+#[test]
+fn new_seeded_past_memory() {
+    // W^Q [2^40, 4] in f32: 16 TiB.
+    let result = Attention::<f32>::new_seeded(AttentionConfig::new(1 << 40, 4, 4), 0);
+    assert_error(
+        result,
+        ErrorKind::OutOfMemory,
+        &["w_q", "17592186044416 bytes"],
+    );
+}
+
+#[test]
+fn forward_of_an_input_past_memory_or_too_large() {
+    let (layer, causal) = (layer(), causal_layer());
+    let row = Array3::<f64>::zeros((1, 1, 4));
+    // 2^40 positions broadcast from one: their projections need 32 TiB;
+    // 2^59, more bytes than can be addressed.
+    for (len, kind) in [
+        (1 << 40, ErrorKind::OutOfMemory),
+        (1 << 59, ErrorKind::TooLarge),
+    ] {
+        let x = row.broadcast((1, len, 4)).unwrap();
+        let opts = AttentionOptions::new();
+        assert_error(layer.forward_batch(x), kind, &[]);
+        assert_error(causal.forward_batch(x), kind, &[]);
+        assert_error(layer.forward(x.index_axis(Axis(0), 0)), kind, &[]);
+        assert_error(layer.forward_cross(x, x), kind, &[]);
+        assert_error(layer.forward_batch_with_weights(x, &opts), kind, &[]);
+        assert_error(layer.forward_train(x, &opts).map(drop), kind, &[]);
+        assert_error(causal.forward_train(x, &opts).map(drop), kind, &[]);
+    }
+}
+
 fn layer() -> Attention<f64> {
     Attention::new_seeded(AttentionConfig::new(4, 3, 2), 5).unwrap()
 }
@@ -1363,5 +1416,22 @@ fn weights_methods_report_bad_shapes() {
         layer.forward_batch_with_weights(x.view(), &AttentionOptions::new().key_lengths(&[1])),
         ErrorKind::KeyLengths,
         &["key_lengths"],
+    );
+}
+
+#[test]
+fn an_empty_batch_of_huge_inputs_is_empty_or_too_large() {
+    let layer =
+        Attention::<f32>::new_seeded(AttentionConfig::new(4, 2, 8).with_heads(2), 1).unwrap();
+    let empty = Array3::<f32>::zeros((0, 1, 4));
+    let x = empty.broadcast((0, 1 << 20, 4)).unwrap();
+    assert_eq!(layer.forward_batch(x).unwrap().shape(), &[0, 1 << 20, 16]);
+    // The values' projection [0, 2^58, 16] holds nothing, but its nonzero
+    // lengths would need 2^64 bytes: ndarray could not address it.
+    let x = empty.broadcast((0, 1 << 58, 4)).unwrap();
+    assert_error(
+        layer.forward_batch(x),
+        ErrorKind::TooLarge,
+        &["nonzero lengths"],
     );
 }

@@ -1,12 +1,34 @@
-//! The checks of [`KvCache`]'s arguments. Every call that changes the
-//! cache checks everything first, so that on an error the cache is
-//! unchanged.
+//! The checks of [`KvCache`]'s arguments, and the one way its buffers are
+//! allocated. Every call that changes the cache checks everything first,
+//! so that on an error the cache is unchanged.
 
-use ndarray::ArrayView4;
+use ndarray::{Array4, ArrayView4};
 
 use super::KvCache;
+use crate::alloc::{element_count, try_zeros};
 use crate::element::Element;
 use crate::error::{AttentionError, ErrorKind, shape_error};
+
+/// What the key buffer is called in errors.
+pub(super) const KEYS: &str = "the cache's keys [batch, kv_heads, slots, d_k]";
+/// What the value buffer is called in errors.
+pub(super) const VALUES: &str = "the cache's values [batch, kv_heads, slots, d_v]";
+
+/// A buffer of zeros of shape `dims`, or the error of addressing or
+/// allocating it. ndarray also refuses a shape whose nonzero lengths
+/// multiply past `isize::MAX` when another length is 0 (a cache for batch
+/// 0 with a huge capacity), so that product is checked too.
+pub(super) fn zeroed_buffer<F: Element>(
+    what: &str,
+    dims: [usize; 4],
+) -> Result<Array4<F>, AttentionError> {
+    element_count::<F>(what, &dims)?;
+    if dims.contains(&0) {
+        let nonzero: Vec<usize> = dims.iter().copied().filter(|&d| d != 0).collect();
+        element_count::<F>(&format!("{what} {dims:?}, whose nonzero lengths"), &nonzero)?;
+    }
+    try_zeros(&format!("{what} {dims:?}"), dims)
+}
 
 impl<F: Element> KvCache<F> {
     /// Checks new keys and values against the cache and each other.

@@ -21,10 +21,21 @@
 //! against the held entries unrolled into position order followed by the
 //! new ones, with the window option giving each its own range.
 //!
+//! Every call that changes the cache checks and allocates first and
+//! changes it last, so that on an error (a bad shape, a buffer too large to
+//! address or to allocate, a failed attention) the cache is as it was: new
+//! keys and values wait in slots the cache does not show (past `len`) or in
+//! new buffers, and count only once the attention over them has succeeded.
+//! The one exception is a full ring's single new token, which must take
+//! the oldest entry's slot before attention (its query must not see that
+//! entry); the entry is copied aside first and put back on an error.
+//!
 //! This file holds the type and the growing mode; `ring` the ring's slot
 //! arithmetic, unrolling and truncation; `check` the checks of every
-//! argument. They only store and copy; the attention is
-//! [`crate::scaled_dot_product_attention_into`].
+//! argument and the sizes of the buffers. They only store and copy; the
+//! attention is [`crate::scaled_dot_product_attention_into`], or whatever
+//! the caller of `attend_next_with` and `restart_with` (a layer's step and
+//! prefill) does with the keys and values.
 
 mod check;
 mod ring;
@@ -34,7 +45,7 @@ use ndarray::{Array4, ArrayView4, ArrayViewMut4, Axis, s};
 use crate::element::Element;
 use crate::error::{AttentionError, ErrorKind};
 use crate::options::AttentionOptions;
-use check::check_dims;
+use check::{KEYS, VALUES, check_dims, zeroed_buffer};
 
 /// The keys and values of `batch` sequences being decoded, for incremental
 /// (token by token) attention: `[batch, kv_heads, len, d_k]` keys and
@@ -112,13 +123,19 @@ impl<F: Element> KvCache<F> {
     /// `max(2·capacity, len + new)` and copies the filled part once.
     ///
     /// # Errors
-    /// [`ErrorKind::ZeroDimension`] when `kv_heads`, `d_k` or `d_v` is zero.
+    /// [`ErrorKind::ZeroDimension`] when `kv_heads`, `d_k` or `d_v` is zero;
+    /// [`ErrorKind::TooLarge`] when the buffers
+    /// `[batch, kv_heads, capacity, d]` would be too large to address, and
+    /// [`ErrorKind::OutOfMemory`] when they cannot be allocated.
     ///
     /// ```
-    /// use sdpa::KvCache;
+    /// use sdpa::{ErrorKind, KvCache};
     ///
     /// let cache = KvCache::<f32>::new(2, 8, 64, 64, 1024)?;
     /// assert_eq!((cache.len(), cache.capacity(), cache.window()), (0, 1024, None));
+    ///
+    /// let err = KvCache::<f32>::new(1, 1, 64, 64, usize::MAX).unwrap_err();
+    /// assert_eq!(err.kind(), ErrorKind::TooLarge);
     /// # Ok::<(), sdpa::AttentionError>(())
     /// ```
     pub fn new(
@@ -129,7 +146,7 @@ impl<F: Element> KvCache<F> {
         capacity: usize,
     ) -> Result<Self, AttentionError> {
         check_dims(kv_heads, d_k, d_v)?;
-        Ok(Self::allocate(batch, kv_heads, d_k, d_v, capacity, None))
+        Self::allocate(batch, kv_heads, d_k, d_v, capacity, None)
     }
 
     /// An empty ring-buffer cache for sliding-window attention: each query
@@ -140,7 +157,9 @@ impl<F: Element> KvCache<F> {
     ///
     /// # Errors
     /// [`ErrorKind::InvalidOption`] when `window` is 0;
-    /// [`ErrorKind::ZeroDimension`] when `kv_heads`, `d_k` or `d_v` is zero.
+    /// [`ErrorKind::ZeroDimension`] when `kv_heads`, `d_k` or `d_v` is zero;
+    /// [`ErrorKind::TooLarge`] or [`ErrorKind::OutOfMemory`] when the
+    /// `window` slots cannot be addressed or allocated.
     ///
     /// ```
     /// use ndarray::Array4;
@@ -169,33 +188,26 @@ impl<F: Element> KvCache<F> {
             ));
         }
         check_dims(kv_heads, d_k, d_v)?;
-        Ok(Self::allocate(
-            batch,
-            kv_heads,
-            d_k,
-            d_v,
-            window,
-            Some(window),
-        ))
+        Self::allocate(batch, kv_heads, d_k, d_v, window, Some(window))
     }
 
     /// An empty cache of checked, positive dimensions.
-    pub(crate) fn allocate(
+    fn allocate(
         batch: usize,
         kv_heads: usize,
         d_k: usize,
         d_v: usize,
         capacity: usize,
         window: Option<usize>,
-    ) -> Self {
-        Self {
-            keys: Array4::zeros((batch, kv_heads, capacity, d_k)),
-            values: Array4::zeros((batch, kv_heads, capacity, d_v)),
+    ) -> Result<Self, AttentionError> {
+        Ok(Self {
+            keys: zeroed_buffer(KEYS, [batch, kv_heads, capacity, d_k])?,
+            values: zeroed_buffer(VALUES, [batch, kv_heads, capacity, d_v])?,
             len: 0,
             total_len: 0,
             window,
             oldest_slot: 0,
-        }
+        })
     }
 
     /// The number of entries held: `total_len()` for a growing cache, at
@@ -278,7 +290,9 @@ impl<F: Element> KvCache<F> {
     ///
     /// # Errors
     /// [`ErrorKind::InvalidOption`] when a ring would have to bring back
-    /// positions it has overwritten; the cache is unchanged.
+    /// positions it has overwritten; [`ErrorKind::OutOfMemory`] when a ring
+    /// cannot allocate the copy it rewrites its entries into. The cache is
+    /// unchanged then.
     ///
     /// ```
     /// use ndarray::Array4;
@@ -312,15 +326,39 @@ impl<F: Element> KvCache<F> {
     ///
     /// # Errors
     /// [`ErrorKind::ShapeMismatch`] when `k` or `v` does not match the
-    /// cache's batch, heads and widths, or they disagree on `n`; the cache
-    /// is unchanged.
+    /// cache's batch, heads and widths, or they disagree on `n`;
+    /// [`ErrorKind::TooLarge`] when the grown buffers would be too large to
+    /// address (or the count of positions would overflow), and
+    /// [`ErrorKind::OutOfMemory`] when they cannot be allocated. The cache
+    /// is unchanged on error.
+    ///
+    /// ```
+    /// use ndarray::Array4;
+    /// use sdpa::{ErrorKind, KvCache};
+    ///
+    /// let mut cache = KvCache::<f32>::new(1, 1, 4, 4, 8)?;
+    /// let x = Array4::<f32>::ones((1, 1, 3, 4));
+    /// cache.append(x.view(), x.view())?;
+    /// // 2^60 more positions (a broadcast view of one) cannot be addressed.
+    /// let one = Array4::<f32>::ones((1, 1, 1, 4));
+    /// let many = one.broadcast((1, 1, 1 << 60, 4)).unwrap();
+    /// let err = cache.append(many, many).unwrap_err();
+    /// assert_eq!(err.kind(), ErrorKind::TooLarge);
+    /// assert_eq!((cache.len(), cache.capacity()), (3, 8));
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
     pub fn append(
         &mut self,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
     ) -> Result<(), AttentionError> {
         self.check_new(&k, &v)?;
-        self.push(k, v);
+        let total_len = self.total_after(k.len_of(Axis(2)))?;
+        match self.window {
+            None => self.attend_growing(k, v, |_, _, _| Ok(()))?,
+            Some(window) => self.push_into_ring(k, v, window),
+        }
+        self.total_len = total_len;
         Ok(())
     }
 
@@ -344,7 +382,10 @@ impl<F: Element> KvCache<F> {
     /// cache or each other (batch, `n`, `d_k`, `kv_heads`);
     /// [`ErrorKind::ZeroDimension`] when `heads` is 0;
     /// [`ErrorKind::HeadsNotDivisible`] when `heads` is not a multiple of
-    /// `kv_heads`. The cache is unchanged on error.
+    /// `kv_heads`; [`ErrorKind::TooLarge`] or [`ErrorKind::OutOfMemory`]
+    /// when the output, the grown buffers (or, in a ring, the held and
+    /// new entries in position order) cannot be addressed or allocated.
+    /// The cache is unchanged on error.
     pub fn attend(
         &mut self,
         q: ArrayView4<'_, F>,
@@ -352,8 +393,11 @@ impl<F: Element> KvCache<F> {
         v: ArrayView4<'_, F>,
     ) -> Result<Array4<F>, AttentionError> {
         let (batch, heads, n, _) = q.dim();
-        let mut out = Array4::zeros((batch, heads, n, self.d_v()));
-        self.attend_into(q, k, v, out.view_mut())?;
+        let shape = [batch, heads, n, self.d_v()];
+        self.check_new(&k, &v)?;
+        self.check_queries(&q, &k, &shape)?;
+        let mut out = zeroed_buffer("the output [batch, heads, n, d_v]", shape)?;
+        self.attend_into_prechecked(q, k, v, out.view_mut())?;
         Ok(out)
     }
 
@@ -362,7 +406,8 @@ impl<F: Element> KvCache<F> {
     ///
     /// # Errors
     /// As [`attend`](Self::attend), and when `out` does not have the
-    /// output's shape.
+    /// output's shape. The cache is unchanged on error; `out` may have been
+    /// written.
     pub fn attend_into(
         &mut self,
         q: ArrayView4<'_, F>,
@@ -375,83 +420,292 @@ impl<F: Element> KvCache<F> {
         self.attend_into_prechecked(q, k, v, out)
     }
 
-    /// [`attend_into`](Self::attend_into) for a caller whose `q`, `k`, `v`
-    /// and `out` fit the cache by construction: a layer's decoding step,
-    /// whose config was validated once and matched to the cache, so the
-    /// argument checks (heads a multiple of `kv_heads` among them) are not
-    /// made again.
-    pub(crate) fn attend_into_prechecked(
+    /// [`attend_into`](Self::attend_into) on checked arguments.
+    fn attend_into_prechecked(
         &mut self,
         q: ArrayView4<'_, F>,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
         out: ArrayViewMut4<'_, F>,
     ) -> Result<(), AttentionError> {
+        self.attend_next_with(k, v, |keys, values, opts| {
+            crate::scaled_dot_product_attention_into(q, keys, values, opts, out)
+        })
+    }
+
+    /// The step of [`attend_into`](Self::attend_into) with the attention
+    /// left to the caller (a layer's decoding step, which also projects
+    /// the output): `attention` gets the keys and values the next `n`
+    /// positions' queries attend over, and the options that say which
+    /// each sees; `k` and `v`, which must fit the cache (a layer's
+    /// projections do by construction), are stored only once it succeeds.
+    /// On any error, from it or from sizing and allocating the buffers,
+    /// the cache is unchanged.
+    pub(crate) fn attend_next_with<R>(
+        &mut self,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+        attention: impl FnOnce(
+            ArrayView4<'_, F>,
+            ArrayView4<'_, F>,
+            &AttentionOptions<'_, F>,
+        ) -> Result<R, AttentionError>,
+    ) -> Result<R, AttentionError> {
         debug_assert!(
-            self.check_new(&k, &v).is_ok() && self.check_queries(&q, &k, out.shape()).is_ok(),
-            "the caller promised arguments that fit the cache"
+            self.check_new(&k, &v).is_ok(),
+            "the caller promised keys and values that fit the cache"
         );
-        let n = q.len_of(Axis(2));
-        if n == 0 {
-            return Ok(());
-        }
-        match self.window {
-            // One new token sees every entry held, whatever their order,
-            // once it has overwritten the one entry that fell out of its
-            // window.
-            Some(_) if n == 1 => {
-                self.push(k, v);
-                self.attend_held(q, &AttentionOptions::new(), out)
-            }
-            Some(window) => self.attend_several_in_ring(q, k, v, window, out),
-            None => {
-                self.push(k, v);
-                self.attend_held(q, &AttentionOptions::new().causal(), out)
-            }
-        }
-    }
-
-    /// Attention of `q` over the entries held.
-    fn attend_held(
-        &self,
-        q: ArrayView4<'_, F>,
-        opts: &AttentionOptions<'_, F>,
-        out: ArrayViewMut4<'_, F>,
-    ) -> Result<(), AttentionError> {
-        crate::scaled_dot_product_attention_into(q, self.keys(), self.values(), opts, out)
-    }
-
-    /// Stores checked `k`, `v` as the next positions.
-    fn push(&mut self, k: ArrayView4<'_, F>, v: ArrayView4<'_, F>) {
         let n = k.len_of(Axis(2));
-        match self.window {
-            None => {
-                let needed = self.len + n;
-                if needed > self.capacity() {
-                    self.grow(needed.max(2 * self.capacity()));
-                }
-                let range = s![.., .., self.len..needed, ..];
-                self.keys.slice_mut(range).assign(&k);
-                self.values.slice_mut(range).assign(&v);
-                self.len = needed;
-            }
-            Some(window) => self.push_into_ring(k, v, window),
+        if n == 0 {
+            // No query: nothing to see, nothing to store.
+            return attention(
+                self.keys(),
+                self.values(),
+                &AttentionOptions::new().causal(),
+            );
         }
-        self.total_len += n;
+        let total_len = self.total_after(n)?;
+        let result = match self.window {
+            None => self.attend_growing(k, v, attention)?,
+            Some(window) => self.attend_in_ring(k, v, window, attention)?,
+        };
+        self.total_len = total_len;
+        Ok(result)
     }
 
-    /// Reallocates a growing cache's buffers with room for `capacity`
-    /// entries, copying the filled part.
-    fn grow(&mut self, capacity: usize) {
+    /// [`attend_next_with`](Self::attend_next_with) for the first positions
+    /// of a new sequence (a layer's prefill): `attention` gets `k` and `v`
+    /// themselves, as the cache would hold them once cleared; only once it
+    /// succeeds is the cache cleared and `k`, `v` stored. A growing cache
+    /// too small for them grows as an append to an empty cache would, its
+    /// buffers allocated before `attention` is called. On any error the
+    /// cache is unchanged.
+    pub(crate) fn restart_with<R>(
+        &mut self,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+        attention: impl FnOnce(
+            ArrayView4<'_, F>,
+            ArrayView4<'_, F>,
+            &AttentionOptions<'_, F>,
+        ) -> Result<R, AttentionError>,
+    ) -> Result<R, AttentionError> {
+        debug_assert!(
+            self.check_new(&k, &v).is_ok(),
+            "the caller promised keys and values that fit the cache"
+        );
+        let n = k.len_of(Axis(2));
+        let (opts, grown) = match self.window {
+            Some(window) => (AttentionOptions::new().window(window), None),
+            None if n > self.capacity() => {
+                let capacity = self.grown_capacity(n);
+                (
+                    AttentionOptions::new().causal(),
+                    Some(self.buffers(capacity)?),
+                )
+            }
+            None => (AttentionOptions::new().causal(), None),
+        };
+        let result = attention(k, v, &opts)?;
+        self.clear();
+        match self.window {
+            Some(window) => self.push_into_ring(k, v, window),
+            None => {
+                if let Some((keys, values)) = grown {
+                    self.keys = keys;
+                    self.values = values;
+                }
+                self.write(k, v, 0);
+                self.len = n;
+            }
+        }
+        self.total_len = n;
+        Ok(result)
+    }
+
+    /// The position count after `n` more positions, or an error if it
+    /// would overflow (a ring takes any number of positions, as views that
+    /// broadcast one row).
+    fn total_after(&self, n: usize) -> Result<usize, AttentionError> {
+        self.total_len.checked_add(n).ok_or_else(|| {
+            AttentionError::new(
+                ErrorKind::TooLarge,
+                format!(
+                    "the cache has seen {} positions; {n} more would overflow usize",
+                    self.total_len
+                ),
+            )
+        })
+    }
+
+    /// The growing mode's step: the new entries wait in the slots past
+    /// `len` (which the cache does not show) or, when they do not fit, in
+    /// grown buffers holding the filled part too; they count, and grown
+    /// buffers replace the old, only once `attention` over them succeeds.
+    fn attend_growing<R>(
+        &mut self,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+        attention: impl FnOnce(
+            ArrayView4<'_, F>,
+            ArrayView4<'_, F>,
+            &AttentionOptions<'_, F>,
+        ) -> Result<R, AttentionError>,
+    ) -> Result<R, AttentionError> {
+        // `total_after` has checked `total_len + n`, and `len` is `total_len`.
+        let needed = self.len + k.len_of(Axis(2));
+        let filled = s![.., .., ..needed, ..];
+        let opts = AttentionOptions::new().causal();
+        let result = if needed <= self.capacity() {
+            self.write(k, v, self.len);
+            attention(self.keys.slice(filled), self.values.slice(filled), &opts)?
+        } else {
+            let (mut keys, mut values) = self.buffers(self.grown_capacity(needed))?;
+            let held = s![.., .., ..self.len, ..];
+            keys.slice_mut(held).assign(&self.keys());
+            values.slice_mut(held).assign(&self.values());
+            let new = s![.., .., self.len..needed, ..];
+            keys.slice_mut(new).assign(&k);
+            values.slice_mut(new).assign(&v);
+            let result = attention(keys.slice(filled), values.slice(filled), &opts)?;
+            self.keys = keys;
+            self.values = values;
+            result
+        };
+        self.len = needed;
+        Ok(result)
+    }
+
+    /// Writes `k`, `v` into slots `at..at + n` of a growing cache's buffers,
+    /// which have room.
+    fn write(&mut self, k: ArrayView4<'_, F>, v: ArrayView4<'_, F>, at: usize) {
+        let range = s![.., .., at..at + k.len_of(Axis(2)), ..];
+        self.keys.slice_mut(range).assign(&k);
+        self.values.slice_mut(range).assign(&v);
+    }
+
+    /// The capacity a growing cache grows to when it must hold `needed`
+    /// entries: at least double, so appends one at a time reallocate
+    /// O(log n) times.
+    fn grown_capacity(&self, needed: usize) -> usize {
+        self.capacity()
+            .checked_mul(2)
+            .map_or(needed, |doubled| doubled.max(needed))
+    }
+
+    /// Empty key and value buffers of this cache's shape with `slots`
+    /// slots, or the error of addressing or allocating them.
+    fn buffers(&self, slots: usize) -> Result<(Array4<F>, Array4<F>), AttentionError> {
         let (batch, kv_heads, d_k, d_v) = (self.batch(), self.kv_heads(), self.d_k(), self.d_v());
-        let mut keys = Array4::zeros((batch, kv_heads, capacity, d_k));
-        let mut values = Array4::zeros((batch, kv_heads, capacity, d_v));
-        keys.slice_mut(s![.., .., ..self.len, ..])
-            .assign(&self.keys());
-        values
-            .slice_mut(s![.., .., ..self.len, ..])
-            .assign(&self.values());
-        self.keys = keys;
-        self.values = values;
+        Ok((
+            zeroed_buffer(KEYS, [batch, kv_heads, slots, d_k])?,
+            zeroed_buffer(VALUES, [batch, kv_heads, slots, d_v])?,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The staging of new entries, with an attention that fails: the
+    //! public API cannot make a checked attention fail on demand.
+
+    use ndarray::{Array4, ArrayView4, Axis};
+
+    use super::KvCache;
+    use crate::error::{AttentionError, ErrorKind};
+
+    /// `[1, 1, n, 1]` keys (and values) holding `from..from + n`.
+    fn positions(from: usize, n: usize) -> Array4<f64> {
+        Array4::from_shape_fn((1, 1, n, 1), |(_, _, t, _)| (from + t) as f64)
+    }
+
+    /// A cache that has been given positions `0..n`, one at a time (so a
+    /// ring wraps).
+    fn holding(mut cache: KvCache<f64>, n: usize) -> KvCache<f64> {
+        for t in 0..n {
+            let x = positions(t, 1);
+            cache.append(x.view(), x.view()).unwrap();
+        }
+        cache
+    }
+
+    /// Everything about the cache, hidden state included.
+    fn state(cache: &KvCache<f64>) -> (usize, usize, usize, usize, Vec<f64>, Vec<f64>) {
+        (
+            cache.len,
+            cache.total_len,
+            cache.capacity(),
+            cache.oldest_slot,
+            cache.keys().iter().copied().collect(),
+            cache.values().iter().copied().collect(),
+        )
+    }
+
+    fn injected() -> AttentionError {
+        AttentionError::new(ErrorKind::InvalidOption, "injected")
+    }
+
+    /// Growing with room, growing past its capacity, a ring not full, a
+    /// full ring that has wrapped (its oldest entry in slot 1).
+    fn caches() -> Vec<KvCache<f64>> {
+        vec![
+            holding(KvCache::new(1, 1, 1, 1, 8).unwrap(), 3),
+            holding(KvCache::new(1, 1, 1, 1, 3).unwrap(), 3),
+            holding(KvCache::with_window(5, 1, 1, 1, 1).unwrap(), 3),
+            holding(KvCache::with_window(3, 1, 1, 1, 1).unwrap(), 7),
+        ]
+    }
+
+    #[test]
+    fn a_failed_attention_stores_nothing() {
+        for n in [1, 2, 4] {
+            for (case, mut cache) in caches().into_iter().enumerate() {
+                let before = state(&cache);
+                let new = positions(100, n);
+                let mut seen = 0;
+                let result: Result<(), _> = cache.attend_next_with(
+                    new.view(),
+                    new.view(),
+                    |keys: ArrayView4<'_, f64>, _, _| {
+                        seen = keys.len_of(Axis(2));
+                        // The new entries are among those the queries see.
+                        assert!(keys.iter().any(|&k| k == 100.0), "case {case}, n {n}");
+                        Err(injected())
+                    },
+                );
+                assert_eq!(result.unwrap_err(), injected());
+                assert!(seen >= n, "case {case}, n {n}");
+                assert_eq!(state(&cache), before, "case {case}, n {n}");
+
+                let result: Result<(), _> =
+                    cache.restart_with(new.view(), new.view(), |_, _, _| Err(injected()));
+                assert_eq!(result.unwrap_err(), injected());
+                assert_eq!(state(&cache), before, "case {case}, n {n}, restart");
+            }
+        }
+    }
+
+    #[test]
+    fn a_successful_attention_stores_the_new_entries() {
+        for (case, mut cache) in caches().into_iter().enumerate() {
+            let new = positions(100, 2);
+            cache
+                .attend_next_with(new.view(), new.view(), |_, _, _| Ok(()))
+                .unwrap();
+            let held: Vec<f64> = cache.keys().iter().copied().collect();
+            assert!(
+                held.contains(&100.0) && held.contains(&101.0),
+                "case {case}: {held:?}"
+            );
+            cache
+                .restart_with(new.view(), new.view(), |_, _, _| Ok(()))
+                .unwrap();
+            let held: Vec<f64> = cache.keys().iter().copied().collect();
+            assert_eq!(
+                (cache.total_len(), held),
+                (2, vec![100.0, 101.0]),
+                "case {case}"
+            );
+        }
     }
 }

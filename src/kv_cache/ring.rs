@@ -8,10 +8,16 @@
 //! (attention is invariant under a permutation of the keys). Several new
 //! queries need different ranges, so they are attended against the held
 //! entries unrolled into position order, followed by the new ones.
+//!
+//! The ring is written only once the attention has succeeded, with one
+//! exception: a single new token in a full ring takes the slot of the
+//! oldest entry, which its query must not see, before the attention. That
+//! entry is copied aside first and put back if the attention fails.
 
-use ndarray::{Array4, ArrayView4, ArrayViewMut4, Axis, s};
+use ndarray::{Array4, ArrayView4, Axis, s};
 
 use super::KvCache;
+use super::check::{KEYS, VALUES, zeroed_buffer};
 use crate::element::Element;
 use crate::error::{AttentionError, ErrorKind};
 use crate::options::AttentionOptions;
@@ -45,27 +51,79 @@ impl<F: Element> KvCache<F> {
         }
     }
 
-    /// Attention of several (checked) new queries: the held entries in
-    /// position order, then the new ones, under the window option. The new
-    /// keys and values are written to the ring only afterwards, as they
-    /// would overwrite entries the first new queries see.
-    pub(super) fn attend_several_in_ring(
+    /// The ring's step of [`attend_next_with`](Self::attend_next_with)
+    /// for `n ≥ 1` checked new positions.
+    pub(super) fn attend_in_ring<R>(
         &mut self,
-        q: ArrayView4<'_, F>,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
         window: usize,
-        out: ArrayViewMut4<'_, F>,
-    ) -> Result<(), AttentionError> {
-        let opts = AttentionOptions::new().window(window);
-        if self.len == 0 {
-            crate::scaled_dot_product_attention_into(q, k, v, &opts, out)?;
-        } else {
-            let (keys, values) = self.unrolled_with(&k, &v);
-            crate::scaled_dot_product_attention_into(q, keys.view(), values.view(), &opts, out)?;
+        attention: impl FnOnce(
+            ArrayView4<'_, F>,
+            ArrayView4<'_, F>,
+            &AttentionOptions<'_, F>,
+        ) -> Result<R, AttentionError>,
+    ) -> Result<R, AttentionError> {
+        if k.len_of(Axis(2)) == 1 {
+            return self.attend_one_in_ring(k, v, window, attention);
         }
-        self.push(k, v);
-        Ok(())
+        // Several: the held entries in position order, then the new ones,
+        // under the window option. The new entries are written to the ring
+        // only afterwards, as they would overwrite entries the first new
+        // queries see.
+        let opts = AttentionOptions::new().window(window);
+        let result = if self.len == 0 {
+            attention(k, v, &opts)?
+        } else {
+            let (keys, values) = self.unrolled_with(&k, &v)?;
+            attention(keys.view(), values.view(), &opts)?
+        };
+        self.push_into_ring(k, v, window);
+        Ok(result)
+    }
+
+    /// One new token sees every entry held once it has replaced the one
+    /// that fell out of its window, whatever their order. In a ring that is
+    /// not full it goes to the first free slot, past those shown.
+    fn attend_one_in_ring<R>(
+        &mut self,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+        window: usize,
+        attention: impl FnOnce(
+            ArrayView4<'_, F>,
+            ArrayView4<'_, F>,
+            &AttentionOptions<'_, F>,
+        ) -> Result<R, AttentionError>,
+    ) -> Result<R, AttentionError> {
+        let opts = AttentionOptions::new();
+        if self.len < window {
+            let slot = s![.., .., self.len..self.len + 1, ..];
+            self.keys.slice_mut(slot).assign(&k);
+            self.values.slice_mut(slot).assign(&v);
+            let held = s![.., .., ..self.len + 1, ..];
+            let result = attention(self.keys.slice(held), self.values.slice(held), &opts)?;
+            self.len += 1;
+            return Ok(result);
+        }
+        let oldest = self.oldest_slot;
+        let slot = s![.., .., oldest..oldest + 1, ..];
+        let (mut old_key, mut old_value) = self.buffers(1)?;
+        old_key.assign(&self.keys.slice(slot));
+        old_value.assign(&self.values.slice(slot));
+        self.keys.slice_mut(slot).assign(&k);
+        self.values.slice_mut(slot).assign(&v);
+        match attention(self.keys.view(), self.values.view(), &opts) {
+            Ok(result) => {
+                self.oldest_slot = (oldest + 1) % window;
+                Ok(result)
+            }
+            Err(err) => {
+                self.keys.slice_mut(slot).assign(&old_key);
+                self.values.slice_mut(slot).assign(&old_value);
+                Err(err)
+            }
+        }
     }
 
     /// [`truncate`](Self::truncate) of a ring to `total_len` positions,
@@ -92,8 +150,10 @@ impl<F: Element> KvCache<F> {
         }
         // Keep positions first_held..total_len, unrolled into slots 0.. so
         // that the ring, no longer full, holds a prefix of its slots.
-        self.keys = self.unrolled(&self.keys, kept, window);
-        self.values = self.unrolled(&self.values, kept, window);
+        let keys = self.unrolled(KEYS, &self.keys, kept, window)?;
+        let values = self.unrolled(VALUES, &self.values, kept, window)?;
+        self.keys = keys;
+        self.values = values;
         self.len = kept;
         self.total_len = total_len;
         self.oldest_slot = 0;
@@ -105,28 +165,37 @@ impl<F: Element> KvCache<F> {
         &self,
         k: &ArrayView4<'_, F>,
         v: &ArrayView4<'_, F>,
-    ) -> (Array4<F>, Array4<F>) {
+    ) -> Result<(Array4<F>, Array4<F>), AttentionError> {
+        // `total_after` has checked `total_len + n`, and `len ≤ total_len`.
         let room = self.len + k.len_of(Axis(2));
-        let mut keys = self.unrolled(&self.keys, self.len, room);
-        let mut values = self.unrolled(&self.values, self.len, room);
+        let keys = "the held and new keys [batch, kv_heads, len + n, d_k]";
+        let values = "the held and new values [batch, kv_heads, len + n, d_v]";
+        let mut keys = self.unrolled(keys, &self.keys, self.len, room)?;
+        let mut values = self.unrolled(values, &self.values, self.len, room)?;
         keys.slice_mut(s![.., .., self.len.., ..]).assign(k);
         values.slice_mut(s![.., .., self.len.., ..]).assign(v);
-        (keys, values)
+        Ok((keys, values))
     }
 
     /// A copy of `buffer` (the keys' or the values') with room for `room`
     /// entries, holding its oldest `count` entries in position order in
     /// `0..count`. The entries run from the oldest slot to the end of the
     /// buffer, then from its start.
-    fn unrolled(&self, buffer: &Array4<F>, count: usize, room: usize) -> Array4<F> {
+    fn unrolled(
+        &self,
+        what: &str,
+        buffer: &Array4<F>,
+        count: usize,
+        room: usize,
+    ) -> Result<Array4<F>, AttentionError> {
         let (batch, kv_heads, capacity, d) = buffer.dim();
-        let mut out = Array4::zeros((batch, kv_heads, room, d));
+        let mut out = zeroed_buffer(what, [batch, kv_heads, room, d])?;
         let oldest = self.oldest_slot;
         let to_end = (capacity - oldest).min(count);
         out.slice_mut(s![.., .., ..to_end, ..])
             .assign(&buffer.slice(s![.., .., oldest..oldest + to_end, ..]));
         out.slice_mut(s![.., .., to_end..count, ..])
             .assign(&buffer.slice(s![.., .., ..count - to_end, ..]));
-        out
+        Ok(out)
     }
 }

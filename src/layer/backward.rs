@@ -27,7 +27,7 @@ use ndarray::{Array, Array2, Array3, ArrayView3, ArrayView4, Axis, CowArray, Ix2
 use super::Layer;
 use super::config::describe_config;
 use super::params::LayerParameters;
-use super::project::{Heads, project, reshape_error, split_heads};
+use super::project::{Heads, copied, project, reshape_error, split_heads};
 use super::train::{ForwardCache, LayerGradients};
 use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
@@ -56,8 +56,10 @@ impl<F: Element> Layer<F> {
         let cache = ForwardCache {
             config: self.config,
             options,
-            x_q: x_q.to_owned(),
-            x_kv: x_kv.map(|x| x.to_owned()),
+            x_q: copied("the forward cache's x_q", x_q)?,
+            x_kv: x_kv
+                .map(|x| copied("the forward cache's x_kv", x))
+                .transpose()?,
             projected,
             attention,
         };

@@ -146,12 +146,17 @@ impl AttentionConfig {
     }
 
     /// The width of the layer's output: `d_model_out` with an output
-    /// projection, `heads·d_v` without.
+    /// projection, `heads·d_v` without (`usize::MAX` if that overflows, in
+    /// a config too large for a layer).
     pub fn output_width(&self) -> usize {
-        self.d_model_out.unwrap_or(self.heads * self.d_v)
+        self.d_model_out
+            .unwrap_or(self.heads.saturating_mul(self.d_v))
     }
 
-    /// Checks that every size is positive and the heads divide.
+    /// Checks that every size is positive, the heads divide, and the
+    /// widths of all heads together (`heads·d_k` and so on, the parameters'
+    /// sizes) can be computed; whether the parameters fit in memory is
+    /// checked where they are allocated.
     pub(super) fn check(&self) -> Result<(), AttentionError> {
         if self.d_model == 0 || self.d_k == 0 || self.d_v == 0 {
             return Err(AttentionError::new(
@@ -189,6 +194,23 @@ impl AttentionConfig {
                     self.d_model_kv, self.d_model_out
                 ),
             ));
+        }
+        let widths = [
+            ("heads·d_k", self.heads, self.d_k),
+            ("heads·d_v", self.heads, self.d_v),
+            ("kv_heads·d_k", self.kv_heads, self.d_k),
+            ("kv_heads·d_v", self.kv_heads, self.d_v),
+        ];
+        for (name, heads, width) in widths {
+            if heads.checked_mul(width).is_none() {
+                return Err(AttentionError::new(
+                    ErrorKind::TooLarge,
+                    format!(
+                        "{name} = {heads}·{width} overflows usize in {}",
+                        describe_config(self)
+                    ),
+                ));
+            }
         }
         Ok(())
     }

@@ -1,10 +1,12 @@
 //! Incremental decoding with a [`KvCache`]: `CausalAttention`'s
 //! `new_cache`, `new_window_cache`, `prefill` and `step`. A step projects
-//! only the new positions, appends their keys and values to the cache and
-//! attends their queries to everything cached
-//! ([`KvCache::attend_into`]), then applies the output projection.
+//! only the new positions, attends their queries to everything cached and
+//! their own keys and values, and applies the output projection; only once
+//! all of that has succeeded are the new keys and values stored (the
+//! cache's `attend_next_with` and `restart_with`), so a failed step leaves
+//! the cache as it was.
 
-use ndarray::{Array3, Array4, ArrayView3, Axis};
+use ndarray::{Array3, ArrayView3, Axis};
 
 use super::project::Heads;
 use super::{CausalAttention, Layer};
@@ -16,9 +18,15 @@ impl<F: Element> CausalAttention<F> {
     /// An empty growing [`KvCache`] shaped for this layer (its `kv_heads`,
     /// `d_k`, `d_v`), for `batch` sequences, with room for `capacity`
     /// positions before it first grows.
-    pub fn new_cache(&self, batch: usize, capacity: usize) -> KvCache<F> {
+    ///
+    /// # Errors
+    /// [`ErrorKind::TooLarge`](crate::ErrorKind::TooLarge) when its buffers
+    /// would be too large to address, and
+    /// [`ErrorKind::OutOfMemory`](crate::ErrorKind::OutOfMemory) when they
+    /// cannot be allocated (see [`KvCache::new`]).
+    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache<F>, AttentionError> {
         let c = &self.layer.config;
-        KvCache::allocate(batch, c.kv_heads, c.d_k, c.d_v, capacity, None)
+        KvCache::new(batch, c.kv_heads, c.d_k, c.d_v, capacity)
     }
 
     /// An empty ring-buffer [`KvCache`] shaped for this layer, for
@@ -30,7 +38,8 @@ impl<F: Element> CausalAttention<F> {
     ///
     /// # Errors
     /// [`ErrorKind::InvalidOption`](crate::ErrorKind::InvalidOption) when
-    /// `window` is 0.
+    /// `window` is 0; as [`new_cache`](Self::new_cache) when its `window`
+    /// slots cannot be addressed or allocated.
     pub fn new_window_cache(
         &self,
         batch: usize,
@@ -47,7 +56,7 @@ impl<F: Element> CausalAttention<F> {
     /// values in the cache.
     ///
     /// # Errors
-    /// As [`step`](Self::step); the cache is not cleared then.
+    /// As [`step`](Self::step); the cache is unchanged then (not cleared).
     ///
     /// ```
     /// use ndarray::{s, Array3};
@@ -57,7 +66,7 @@ impl<F: Element> CausalAttention<F> {
     /// let layer = CausalAttention::<f32>::new_seeded(config, 7)?;
     /// let x = Array3::<f32>::from_shape_fn((1, 12, 16), |(_, i, j)| ((i * 5 + j) % 9) as f32 * 0.1 - 0.4);
     ///
-    /// let mut cache = layer.new_cache(1, 8);
+    /// let mut cache = layer.new_cache(1, 8)?;
     /// let prompt = layer.prefill(x.slice(s![.., ..8, ..]), &mut cache)?;
     /// let mut last = prompt;
     /// for t in 8..12 {
@@ -96,7 +105,10 @@ impl<F: Element> CausalAttention<F> {
     /// [`ErrorKind::ShapeMismatch`](crate::ErrorKind::ShapeMismatch) when
     /// `x_new` is not `d_model` wide, or the cache was not made for this
     /// layer and batch (its `batch`, `kv_heads`, `d_k` or `d_v` differ);
-    /// the cache is unchanged then.
+    /// [`ErrorKind::TooLarge`](crate::ErrorKind::TooLarge) or
+    /// [`ErrorKind::OutOfMemory`](crate::ErrorKind::OutOfMemory) when the
+    /// projections, the output or the cache's grown buffers cannot be
+    /// addressed or allocated. The cache is unchanged on error.
     pub fn step(
         &self,
         x_new: ArrayView3<'_, F>,
@@ -108,21 +120,27 @@ impl<F: Element> CausalAttention<F> {
 
 impl<F: Element> Layer<F> {
     /// Starts a new sequence in `cache` with the prompt `x`
-    /// `[batch, len, d_model]`: the cache is cleared (only once the
-    /// arguments are checked), then [`step`](Self::step).
+    /// `[batch, len, d_model]`: its queries attend causally to its own keys
+    /// and values (within the window, for a ring), as in a forward; the
+    /// cache is cleared and given them only once that has succeeded.
     fn prefill(
         &self,
         x: ArrayView3<'_, F>,
         cache: &mut KvCache<F>,
     ) -> Result<Array3<F>, AttentionError> {
         self.check_step(x, cache)?;
-        cache.clear();
-        self.step(x, cache)
+        let projected = self.project_all(x, x)?;
+        let Heads { q, k, v } = self.split_all(&projected)?;
+        let heads_out = self.heads_buffer(q.dim())?;
+        cache.restart_with(k, v, |keys, values, opts| {
+            self.attend_heads(q, keys, values, opts, heads_out)
+        })
     }
 
     /// The newest positions `x` `[batch, len_new, d_model]` of the sequences
-    /// `cache` holds: appends their keys and values to it and attends their
-    /// queries to everything cached (see [`KvCache::attend`]).
+    /// `cache` holds: attends their queries to everything cached and their
+    /// own keys and values (see [`KvCache::attend`]), which the cache then
+    /// keeps.
     fn step(
         &self,
         x: ArrayView3<'_, F>,
@@ -131,12 +149,12 @@ impl<F: Element> Layer<F> {
         self.check_step(x, cache)?;
         let projected = self.project_all(x, x)?;
         let Heads { q, k, v } = self.split_all(&projected)?;
-        let (batch, len_new, _) = projected.q.dim();
-        let mut heads_out = Array4::zeros((batch, len_new, self.config.heads, self.config.d_v));
+        let heads_out = self.heads_buffer(q.dim())?;
         // `check_step` matched the cache to the config, which was validated
         // when the layer was built: the projections fit the cache.
-        cache.attend_into_prechecked(q, k, v, heads_out.view_mut().permuted_axes([0, 2, 1, 3]))?;
-        self.output(heads_out)
+        cache.attend_next_with(k, v, |keys, values, opts| {
+            self.attend_heads(q, keys, values, opts, heads_out)
+        })
     }
 
     fn check_step(&self, x: ArrayView3<'_, F>, cache: &KvCache<F>) -> Result<(), AttentionError> {

@@ -76,7 +76,7 @@ impl<F: Element> Layer<F> {
     /// biases.
     pub(super) fn new_seeded(config: AttentionConfig, seed: u64) -> Result<Self, AttentionError> {
         config.check()?;
-        let mut parameters = LayerParameters::zeros(&config);
+        let mut parameters = LayerParameters::zeros(&config)?;
         let mut rng = SplitMix64::new(seed);
         for weight in parameters.weights_mut() {
             fill_xavier_uniform(&mut rng, weight);

@@ -22,6 +22,7 @@
 use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
 
 use super::config::{AttentionConfig, describe_config};
+use crate::alloc::try_zeros;
 use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
 
@@ -318,21 +319,30 @@ impl<F> LayerParameters<F> {
 }
 
 impl<F: Element> LayerParameters<F> {
-    /// Zero parameters of the shapes `config` (checked) asks for.
-    pub(super) fn zeros(config: &AttentionConfig) -> Self {
-        let [w_q, w_k, w_v, w_o] = PROJECTIONS.map(|p| (p.shape)(config).map(Array2::zeros));
-        let [b_q, b_k, b_v, b_o] = PROJECTIONS.map(|p| p.bias_len(config).map(Array1::zeros));
+    /// Zero parameters of the shapes `config` (checked) asks for, or the
+    /// error of addressing or allocating one (named, with its shape).
+    pub(super) fn zeros(config: &AttentionConfig) -> Result<Self, AttentionError> {
+        let [w_q, w_k, w_v, w_o] = PROJECTIONS.map(|p| {
+            (p.shape)(config)
+                .map(|shape| try_zeros(&format!("{} {}", p.weight, p.layout), shape))
+                .transpose()
+        });
+        let [b_q, b_k, b_v, b_o] = PROJECTIONS.map(|p| {
+            p.bias_len(config)
+                .map(|len| try_zeros(p.bias, len))
+                .transpose()
+        });
         let always = "the table gives every config W^Q, W^K and W^V";
-        Self {
-            w_q: w_q.expect(always),
-            w_k: w_k.expect(always),
-            w_v: w_v.expect(always),
-            w_o,
-            b_q,
-            b_k,
-            b_v,
-            b_o,
-        }
+        Ok(Self {
+            w_q: w_q?.expect(always),
+            w_k: w_k?.expect(always),
+            w_v: w_v?.expect(always),
+            w_o: w_o?,
+            b_q: b_q?,
+            b_k: b_k?,
+            b_v: b_v?,
+            b_o: b_o?,
+        })
     }
 
     /// The weight matrices there are, writable, in table order.
@@ -359,7 +369,7 @@ mod tests {
     #[test]
     fn the_slots_follow_the_table() {
         let config = distinct();
-        let mut parameters = LayerParameters::<f64>::zeros(&config);
+        let mut parameters = LayerParameters::<f64>::zeros(&config).unwrap();
         parameters.check(&config).unwrap();
         let names: Vec<_> = PROJECTIONS
             .iter()

@@ -16,13 +16,21 @@
 //!
 //! The single-head layer of the seed is the case `h = g = 1` with no
 //! output projection.
+//!
+//! Every buffer here is sized from the caller's lengths (a broadcast input
+//! may be far longer than its memory), so each is allocated fallibly
+//! (`crate::alloc`): too large a call is an error, never a panic or an
+//! abort.
 
+use ndarray::linalg::general_mat_mul;
 use ndarray::{
-    Array1, Array2, Array3, Array4, ArrayView2, ArrayView3, ArrayView4, Axis, ShapeError,
+    Array, Array1, Array2, Array3, Array4, ArrayView2, ArrayView3, ArrayView4, Axis, CowArray,
+    Dimension, IntoDimension, Ix3, ShapeError,
 };
 
 use super::Layer;
 use super::config::describe_config;
+use crate::alloc::{element_count, try_with_capacity, try_zeros};
 use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
 use crate::options::AttentionOptions;
@@ -106,17 +114,35 @@ impl<F: Element> Layer<F> {
         opts: &AttentionOptions<'_, F>,
     ) -> Result<Array3<F>, AttentionError> {
         let Heads { q, k, v } = self.split_all(projected)?;
-        let (batch, len_q, _) = projected.q.dim();
-        // Laid out [batch, len_q, heads, d_v] and written through a
-        // [batch, heads, len_q, d_v] view, so the concatenated heads need no copy.
-        let mut heads_out = Array4::zeros((batch, len_q, self.config.heads, self.config.d_v));
-        crate::scaled_dot_product_attention_into(
-            q,
-            k,
-            v,
-            opts,
-            heads_out.view_mut().permuted_axes([0, 2, 1, 3]),
-        )?;
+        let heads_out = self.heads_buffer(q.dim())?;
+        self.attend_heads(q, k, v, opts, heads_out)
+    }
+
+    /// The buffer the heads' output is written to, for queries
+    /// `[batch, heads, len_q, d_k]`: laid out `[batch, len_q, heads, d_v]`
+    /// and written through a `[batch, heads, len_q, d_v]` view, so the
+    /// concatenated heads need no copy.
+    pub(super) fn heads_buffer(
+        &self,
+        (batch, heads, len_q, _): (usize, usize, usize, usize),
+    ) -> Result<Array4<F>, AttentionError> {
+        let dim = (batch, len_q, heads, self.config.d_v);
+        zeros("the heads' output [batch, len_q, heads, d_v]", dim)
+    }
+
+    /// Attention of the heads `q` over `k`, `v` into `heads_out` (from
+    /// [`heads_buffer`](Self::heads_buffer)), then the output projection:
+    /// `[batch, len_q, output_width]`.
+    pub(super) fn attend_heads(
+        &self,
+        q: ArrayView4<'_, F>,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+        mut heads_out: Array4<F>,
+    ) -> Result<Array3<F>, AttentionError> {
+        let out = heads_out.view_mut().permuted_axes([0, 2, 1, 3]);
+        crate::scaled_dot_product_attention_into(q, k, v, opts, out)?;
         self.output(heads_out)
     }
 
@@ -222,35 +248,89 @@ pub(super) struct Heads<'a, F> {
 const FEW_ROWS: usize = 4;
 
 /// `x` `[batch, len, width]` `· w` `[width, cols]` `+ b`, as one matrix
-/// product over all positions of all batch items; `to_shape` is a view
-/// when the layout allows it.
+/// product over all positions of all batch items (`x` is copied first only
+/// when its layout does not allow viewing it as `[batch·len, width]`).
 pub(super) fn project<F: Element>(
     x: ArrayView3<'_, F>,
     w: &Array2<F>,
     b: Option<&Array1<F>>,
 ) -> Result<Array3<F>, AttentionError> {
     let (batch, len, width) = x.dim();
-    let rows = x.to_shape((batch * len, width)).map_err(reshape_error)?;
-    let mut out = if rows.nrows() <= FEW_ROWS && w.is_standard_layout() {
+    let columns = w.ncols();
+    // The result is reshaped to this, so it must be addressable too.
+    addressable::<F>("a projection [batch, len, columns]", &[batch, len, columns])?;
+    let x = contiguous("a layer input [batch, len, width]", x)?;
+    let rows = x
+        .view()
+        .into_shape_with_order((batch * len, width))
+        .map_err(reshape_error)?;
+    let mut out = zeros("a projection [batch·len, columns]", (rows.nrows(), columns))?;
+    if rows.nrows() <= FEW_ROWS && w.is_standard_layout() {
         // out[i] = Σ_r x[i, r]·w[r, ..]: reads `w` once, row by row, where
         // a matrix product would first copy all of it into packed panels.
         // Decoding steps project one or a few rows at a time.
-        let mut out = Array2::zeros((rows.nrows(), w.ncols()));
         for (x_column, w_row) in rows.columns().into_iter().zip(w.rows()) {
             for (&x, mut out_row) in x_column.iter().zip(out.rows_mut()) {
                 out_row.scaled_add(x, &w_row);
             }
         }
-        out
     } else {
-        rows.dot(w)
-    };
+        // β = 0: `out` is only written.
+        general_mat_mul(F::one(), &rows, w, F::zero(), &mut out);
+    }
     if let Some(b) = b {
         // `rhs` broadcasts over the rows.
         out.zip_mut_with(b, |o, &bias| *o = *o + bias);
     }
     out.into_shape_with_order((batch, len, w.ncols()))
         .map_err(reshape_error)
+}
+
+/// [`try_zeros`], after checking that ndarray can address the shape.
+fn zeros<F: Element, Sh: IntoDimension>(
+    what: &str,
+    shape: Sh,
+) -> Result<Array<F, Sh::Dim>, AttentionError> {
+    let dim = shape.into_dimension();
+    addressable::<F>(what, dim.slice())?;
+    try_zeros(what, dim)
+}
+
+/// Checks that ndarray can address an array of shape `dims`: the product
+/// of its nonzero lengths, in bytes, within `isize::MAX`, even when one
+/// length is zero (an empty batch of huge broadcast inputs).
+fn addressable<F>(what: &str, dims: &[usize]) -> Result<(), AttentionError> {
+    element_count::<F>(what, dims)?;
+    if dims.contains(&0) {
+        let nonzero: Vec<usize> = dims.iter().copied().filter(|&d| d != 0).collect();
+        element_count::<F>(&format!("{what} {dims:?}, whose nonzero lengths"), &nonzero)?;
+    }
+    Ok(())
+}
+
+/// `x` itself when it is in standard (row-major, contiguous) layout;
+/// otherwise [`copied`].
+fn contiguous<'v, F: Element>(
+    what: &str,
+    x: ArrayView3<'v, F>,
+) -> Result<CowArray<'v, F, Ix3>, AttentionError> {
+    if x.is_standard_layout() {
+        Ok(x.into())
+    } else {
+        copied(what, x).map(CowArray::from)
+    }
+}
+
+/// A copy of `x` in standard layout, allocated fallibly: a broadcast view
+/// may be far larger than its memory.
+pub(super) fn copied<F: Element>(
+    what: &str,
+    x: ArrayView3<'_, F>,
+) -> Result<Array3<F>, AttentionError> {
+    let mut data = try_with_capacity(what, x.len())?;
+    // `iter` walks in logical (row-major) order whatever the layout.
+    data.extend(x.iter().copied());
+    Array3::from_shape_vec(x.raw_dim(), data).map_err(reshape_error)
 }
 
 /// `[batch, len, heads·d]` as `[batch, heads, len, d]`, a view of the same data.
