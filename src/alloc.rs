@@ -12,27 +12,31 @@ use crate::error::{AttentionError, ErrorKind};
 /// The number of elements of `dims`, if it and its size in bytes as `T`
 /// fit in `isize` (ndarray's and the allocator's limit).
 pub(crate) fn element_count<T>(what: &str, dims: &[usize]) -> Result<usize, AttentionError> {
-    // ndarray also wants the product of the non-zero lengths to fit, even
-    // when a zero length makes the array empty.
     let fits = |n: usize| {
         n.checked_mul(size_of::<T>().max(1))
             .is_some_and(|bytes| bytes <= isize::MAX as usize)
     };
-    let nonzero = dims
+    let too_large = |why: &str| {
+        AttentionError::new(
+            ErrorKind::TooLarge,
+            format!(
+                "{what} of shape {dims:?} would need {why}more than isize::MAX bytes of {}",
+                std::any::type_name::<T>()
+            ),
+        )
+    };
+    let count = dims
         .iter()
-        .try_fold(1usize, |n, &d| n.checked_mul(d.max(1)));
-    dims.iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .filter(|&n| fits(n) && nonzero.is_some_and(fits))
-        .ok_or_else(|| {
-            AttentionError::new(
-                ErrorKind::TooLarge,
-                format!(
-                    "{what} of shape {dims:?} would need more than isize::MAX bytes of {}",
-                    std::any::type_name::<T>()
-                ),
-            )
-        })
+        .filter(|&n| fits(n))
+        .ok_or_else(|| too_large(""))?;
+    // ndarray also wants the product of the nonzero lengths to fit, even
+    // when a zero length makes the array empty.
+    dims.iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d.max(1)))
+        .filter(|&n| fits(n))
+        .ok_or_else(|| too_large("(its nonzero lengths) "))?;
+    Ok(count)
 }
 
 /// `len` copies of `value`, or an error if they cannot be allocated.

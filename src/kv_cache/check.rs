@@ -5,7 +5,7 @@
 use ndarray::{Array4, ArrayView4};
 
 use super::KvCache;
-use crate::alloc::{element_count, try_zeros};
+use crate::alloc::try_zeros;
 use crate::element::Element;
 use crate::error::{AttentionError, ErrorKind, shape_error};
 
@@ -15,18 +15,13 @@ pub(super) const KEYS: &str = "the cache's keys [batch, kv_heads, slots, d_k]";
 pub(super) const VALUES: &str = "the cache's values [batch, kv_heads, slots, d_v]";
 
 /// A buffer of zeros of shape `dims`, or the error of addressing or
-/// allocating it. ndarray also refuses a shape whose nonzero lengths
-/// multiply past `isize::MAX` when another length is 0 (a cache for batch
-/// 0 with a huge capacity), so that product is checked too.
+/// allocating it (`alloc` also checks the product of the nonzero lengths,
+/// which ndarray bounds even when another length is 0: a cache for batch 0
+/// with a huge capacity).
 pub(super) fn zeroed_buffer<F: Element>(
     what: &str,
     dims: [usize; 4],
 ) -> Result<Array4<F>, AttentionError> {
-    element_count::<F>(what, &dims)?;
-    if dims.contains(&0) {
-        let nonzero: Vec<usize> = dims.iter().copied().filter(|&d| d != 0).collect();
-        element_count::<F>(&format!("{what} {dims:?}, whose nonzero lengths"), &nonzero)?;
-    }
     try_zeros(&format!("{what} {dims:?}"), dims)
 }
 
