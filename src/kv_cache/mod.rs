@@ -154,7 +154,7 @@ impl<F: Element> KvCache<F> {
     /// sees at most the `window` most recent positions (itself included),
     /// so the cache keeps the last `window` positions in `window` slots and
     /// never grows. [`attend`](Self::attend) on it equals the functional
-    /// API with [`AttentionOptions::window`] over the whole sequence.
+    /// API with [`AttentionOptions::window`](crate::AttentionOptions::window) over the whole sequence.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidOption`] when `window` is 0;
