@@ -3,7 +3,7 @@
 //! entry point (`sdpa::` and `sdpa::core::`, allocating and `_into`) in
 //! `f32` and `f64`. Empty `len_q` / `len_kv` are valid.
 
-mod common;
+use crate::common;
 
 use ndarray::Array4;
 use proptest::prelude::*;

@@ -4,7 +4,7 @@
 use ndarray::{Array4, ArrayView4, Axis, s};
 use proptest::prelude::*;
 
-mod common;
+use crate::common;
 use common::{option_case, seeded};
 use sdpa::simd::available_kernel_sets;
 use sdpa::{AttentionOptions, AttentionPartial, scaled_dot_product_attention_partial};

@@ -3,7 +3,7 @@
 //! NaN, bias, scale, broadcasting and GQA, on `sdpa::` and `sdpa::core::`
 //! in `f32` and `f64`.
 
-mod common;
+use crate::common;
 
 use approx::assert_abs_diff_eq;
 use common::{Inputs, Rng, assert_close, both_paths, cast, to_f64, tolerance};

@@ -15,7 +15,7 @@
 //! heads, strides do not matter, `f32` agrees with `f64`, and bad shapes are
 //! errors.
 
-mod common;
+use crate::common;
 
 use common::{
     Dims, Extras, Inputs, OptionSpec, Rng, alignment, assert_close, broadcast_shape, config,

@@ -4,7 +4,7 @@
 use ndarray::{Array4, s};
 use proptest::prelude::*;
 
-mod common;
+use crate::common;
 use common::{option_case, seeded};
 use sdpa::simd::available_kernel_sets;
 use sdpa::{scaled_dot_product_attention_backward, scaled_dot_product_attention_partial};

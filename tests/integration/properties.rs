@@ -6,7 +6,7 @@
 //! Each property is a generic function run for both element types; the
 //! arrays come from a seed that proptest draws, so a failure is reproducible.
 
-mod common;
+use crate::common;
 
 use common::{
     Dims, Extras, Inputs, OptionSpec, Rng, alignment, both_paths, broadcast_shape, dims,

@@ -10,7 +10,7 @@
 //!
 //! The loss is `L = Σ R ∘ Y` for a fixed random `R`, so `∂L/∂Y = R`.
 
-mod common;
+use crate::common;
 
 use common::Rng;
 use ndarray::{Array1, Array2, Array3, Array4, ArrayView3, Axis, s};
