@@ -78,11 +78,17 @@ pub(crate) fn rows_weights<F: Element>(
     // there does no harm.
     let q_rows = qh.slice_axis(Axis(0), Slice::from(rows.clone()));
     general_mat_mul(call.scale, &q_rows, &kh.t(), F::zero(), &mut weights);
-    for (r, row) in weights.rows_mut().into_iter().enumerate() {
+    for (r, mut row) in weights.rows_mut().into_iter().enumerate() {
         let i = rows.start + r;
         let visible = call.visible_keys(b, h, i);
         let bias = call.bias_row(b, h, i);
-        let lse = softmax_row(row, &visible, bias.as_ref());
+        let mut lse = softmax_row(row.view_mut(), &visible, bias.as_ref());
+        // Every visible score −inf: a row that saw nothing, unless a key the
+        // bias does not hide is among them (the shared rule of `mask.rs`).
+        if lse == F::neg_infinity() && call.has_unhidden_key(b, h, i, 0..call.shape.len_kv) {
+            row.fill(F::nan());
+            lse = F::nan();
+        }
         if let Some(log_sum_exp) = log_sum_exp.as_mut() {
             log_sum_exp[r] = lse;
         }
@@ -93,37 +99,27 @@ pub(crate) fn rows_weights<F: Element>(
 /// masked keys (and keys a `−inf` bias hides) set to exactly 0, the maximum
 /// subtracted before `exp`. Returns the log-sum-exp of the visible scores.
 ///
-/// A row with no visible key, or whose visible keys a `−inf` bias all
-/// hides, becomes all 0 with log-sum-exp `−inf`. A row with a NaN or `+inf`
-/// visible score, or whose unhidden visible scores are all `−inf` (a
-/// non-finite input or an overflowing product), becomes NaN (see `mask.rs`).
+/// A row whose visible scores are all `−inf` (or that has none) becomes
+/// all 0 with log-sum-exp `−inf`; the caller tells a row that saw nothing
+/// from one whose scores overflowed. A NaN or `+inf` visible score makes
+/// the row NaN.
 fn softmax_row<F: Element>(
     mut row: ArrayViewMut1<'_, F>,
     visible: &VisibleKeys<'_>,
     bias: Option<&ndarray::ArrayView1<'_, F>>,
 ) -> F {
     let mut max = F::neg_infinity();
-    let mut unhidden = false;
     for (j, score) in row.iter_mut().enumerate() {
         if visible.contains(j) {
             if let Some(bias) = bias {
-                let bias = bias[broadcast(bias.len(), visible.key_offset + j)];
-                unhidden |= bias != F::neg_infinity();
-                *score = biased(*score, bias);
-            } else {
-                unhidden = true;
+                *score = biased(*score, bias[broadcast(bias.len(), visible.key_offset + j)]);
             }
             max = max.max(*score);
         }
     }
     if max == F::neg_infinity() {
-        let (weight, lse) = if unhidden {
-            (F::nan(), F::nan())
-        } else {
-            (F::zero(), F::neg_infinity())
-        };
-        row.fill(weight);
-        return lse;
+        row.fill(F::zero());
+        return max;
     }
     let mut sum = F::zero();
     for (j, score) in row.iter_mut().enumerate() {
