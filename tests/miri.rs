@@ -348,7 +348,7 @@ fn causal_layer() {
     let x = Array3::from_shape_fn((1, 4, 8), |(_, i, j)| ((i * 5 + j) % 7) as f32 / 7.0 - 0.4);
     let want = layer64.forward_batch(x.mapv(f64::from).view()).unwrap();
     for set in kernel_sets() {
-        let mut cache = layer.new_cache(1, 2);
+        let mut cache = layer.new_cache(1, 2).unwrap();
         with_kernel_set(set, || layer.prefill(x.slice(s![.., ..3, ..]), &mut cache))
             .unwrap()
             .unwrap();

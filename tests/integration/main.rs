@@ -9,6 +9,7 @@ mod backward;
 mod errors;
 mod fast_path;
 mod fused_backward;
+mod fuzz;
 mod kv_cache;
 mod layer_gradients;
 mod layers;

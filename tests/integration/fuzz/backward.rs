@@ -1,0 +1,261 @@
+//! The fused backward against the `f64` reference, and a backward from a
+//! made-up forward partial.
+
+use super::*;
+
+pub(super) const BACKWARD_CLOSE: &str = "fused backward within tolerance of the f64 reference";
+pub(super) const BACKWARD_ZERO: &str =
+    "hidden queries, keys and bias entries get exactly zero gradients";
+pub(super) const BACKWARD_GARBAGE: &str =
+    "a backward from any forward partial (garbage lse) neither panics nor fails";
+
+/// The fused backward (every kernel set, from its own forward) against
+/// `core`'s in `f64`, when the inputs are finite where seen and moderate
+/// (q, k, v of magnitude at most 1, finite bias at most 10, scores that
+/// span at most 40, no overflow). Invisible entries may hold NaN/inf.
+/// Hidden queries, keys and bias entries get exactly zero gradients. A
+/// backward given a made-up forward partial (say a log-sum-exp of −1e30)
+/// must not panic.
+#[test]
+pub(super) fn backward_matches_the_f64_reference() {
+    Failures::run(
+        "fuzz::backward::backward_matches_the_f64_reference",
+        backward_case,
+    )
+    .finish();
+}
+
+pub(super) fn backward_case(case: &Case, report: &mut CaseReport) {
+    let c = Conditioning::of(case);
+    if case.expect != Expect::Ok {
+        return;
+    }
+    let mut rng = Rng::new(case.seed ^ 0xbac4_0000);
+    garbage_backward(case, &mut rng, report);
+    if !case.visible_poison.is_empty()
+        || !case.moderate
+        || c.bias_bound > 10.0
+        || c.score_bound + c.bias_bound > 20.0
+    {
+        return;
+    }
+    let case = &if rng.chance(0.5) {
+        case.poison_invisible(&mut rng, 1.0).0
+    } else {
+        case.clone()
+    };
+    let vis = case.visibility();
+    let d32 = Data::<f32>::new(case);
+    let d64 = Data::<f64>::new(case);
+    let (o32, o64) = (case.options(&d32), case.options(&d64));
+    let (q64, k64, v64) = d64.qkv();
+    let expected = match guarded(|| {
+        let forward = sdpa::scaled_dot_product_attention_partial(q64, k64, v64, &o64)?;
+        sdpa::core::scaled_dot_product_attention_backward(
+            q64,
+            k64,
+            v64,
+            &o64,
+            &forward,
+            d64.d_out.view(),
+        )
+    }) {
+        Ok(Ok(g)) => g,
+        Ok(Err(e)) => return report.fail(EXPECTED, format!("core f64 backward: {e}")),
+        Err(panic) => return report.fail(NO_PANIC, format!("core f64 backward: {panic}")),
+    };
+    check_zero_gradients(
+        "core f64",
+        case,
+        &vis,
+        [&expected.d_q, &expected.d_k, &expected.d_v],
+        expected.d_bias.as_ref(),
+        report,
+    );
+    let (q, k, v) = d32.qkv();
+    for set in available_kernel_sets() {
+        let got = match guarded(|| {
+            forced(set, || {
+                let forward = sdpa::scaled_dot_product_attention_partial(q, k, v, &o32)?;
+                sdpa::scaled_dot_product_attention_backward(
+                    q,
+                    k,
+                    v,
+                    &o32,
+                    &forward,
+                    d32.d_out.view(),
+                )
+            })
+        }) {
+            Ok(Ok(g)) => g,
+            Ok(Err(e)) => {
+                report.fail(EXPECTED, format!("fused {set} backward: {e}"));
+                continue;
+            }
+            Err(panic) => {
+                report.fail(NO_PANIC, format!("fused {set} backward: {panic}"));
+                continue;
+            }
+        };
+        let to64 = |a: &Array4<f32>| a.mapv(f64::from);
+        check_zero_gradients(
+            &format!("fused {set}"),
+            case,
+            &vis,
+            [&to64(&got.d_q), &to64(&got.d_k), &to64(&got.d_v)],
+            got.d_bias.as_ref().map(to64).as_ref(),
+            report,
+        );
+        let mut pairs = vec![
+            ("d_q", to64(&got.d_q), &expected.d_q),
+            ("d_k", to64(&got.d_k), &expected.d_k),
+            ("d_v", to64(&got.d_v), &expected.d_v),
+        ];
+        match (&got.d_bias, &expected.d_bias) {
+            (Some(g), Some(e)) => pairs.push(("d_bias", to64(g), e)),
+            (None, None) => {}
+            _ => report.fail(
+                BACKWARD_CLOSE,
+                format!("fused {set}: d_bias present in one result only"),
+            ),
+        }
+        for (name, g, e) in pairs {
+            let scale = 1.0 + e.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            let tol = scale * (2e-5 + 4.0 * c.score_error(EPS32));
+            if let Some(((index, &g), &e)) = g
+                .indexed_iter()
+                .zip(e.iter())
+                .find(|&((_, &g), &e)| !(g.is_finite() && (g - e).abs() <= tol))
+            {
+                report.fail(BACKWARD_CLOSE, format!("fused {set}: {name}{index:?} = {g:e}, f64 reference {e:e} (tolerance {tol:e})"));
+            }
+        }
+    }
+}
+
+/// Gradients that must be exactly zero: `d_q` of queries with no live key,
+/// `d_k`/`d_v` of keys live for no query, `d_bias` entries of positions
+/// that are not live.
+pub(super) fn check_zero_gradients(
+    label: &str,
+    case: &Case,
+    vis: &Visibility,
+    [d_q, d_k, d_v]: [&Array4<f64>; 3],
+    d_bias: Option<&Array4<f64>>,
+    report: &mut CaseReport,
+) {
+    let mut fail = |what: String| report.fail(BACKWARD_ZERO, format!("{label}: {what}"));
+    for ((b, h, i), &lives) in vis.row_lives.indexed_iter() {
+        if !lives && d_q.slice(s![b, h, i, ..]).iter().any(|&x| x != 0.0) {
+            fail(format!(
+                "d_q[{b}, {h}, {i}, ..] = {} for a query with no live key",
+                d_q.slice(s![b, h, i, ..])
+            ));
+        }
+    }
+    for ((b, g, j), &lives) in vis.key_lives.indexed_iter() {
+        for (name, grad) in [("d_k", d_k), ("d_v", d_v)] {
+            if !lives && grad.slice(s![b, g, j, ..]).iter().any(|&x| x != 0.0) {
+                fail(format!(
+                    "{name}[{b}, {g}, {j}, ..] = {} for a key live for no query",
+                    grad.slice(s![b, g, j, ..])
+                ));
+            }
+        }
+    }
+    if let (Some(d_bias), Some(bias)) = (d_bias, &case.bias) {
+        let (offset, _) = case.shard();
+        let mut touched = Array4::from_elem(d_bias.raw_dim(), false);
+        for ((b, h, i, j), &live) in vis.live.indexed_iter() {
+            if live {
+                let pos = [b, h, i, offset + j];
+                let index: [usize; 4] =
+                    std::array::from_fn(|a| if bias.shape[a] == 1 { 0 } else { pos[a] });
+                touched[index] = true;
+            }
+        }
+        if let Some((index, x)) = d_bias
+            .indexed_iter()
+            .zip(&touched)
+            .find_map(|((index, &x), &t)| (!t && x != 0.0).then_some((index, x)))
+        {
+            fail(format!(
+                "d_bias{index:?} = {x:e} for a position live for no query"
+            ));
+        }
+    }
+}
+
+/// A backward given a forward partial made up from arbitrary numbers: it
+/// must return `Ok` (the shapes are right) without panicking, on every path.
+pub(super) fn garbage_backward(case: &Case, rng: &mut Rng, report: &mut CaseReport) {
+    let out_shape = case.out_shape();
+    let lse_values = [
+        f32::NEG_INFINITY,
+        f32::INFINITY,
+        f32::NAN,
+        -1e30,
+        1e30,
+        -100.0,
+        0.0,
+        3.0,
+    ];
+    let lse = Array3::from_shape_simple_fn((out_shape[0], out_shape[1], out_shape[2]), || {
+        pick(rng, &lse_values)
+    });
+    let out = Array4::from_shape_simple_fn(out_shape, || pick(rng, &[0.0f32, 1.0, -2.5, f32::NAN]));
+    let Ok(partial) = AttentionPartial::from_parts(out, lse) else {
+        return report.fail(
+            BACKWARD_GARBAGE,
+            "from_parts refused arrays of the right shapes".into(),
+        );
+    };
+    let d32 = Data::<f32>::new(case);
+    let opts = case.options(&d32);
+    let (q, k, v) = d32.qkv();
+    let mut calls: Vec<(String, Called<sdpa::AttentionGradients<f32>>)> = available_kernel_sets()
+        .into_iter()
+        .map(|set| {
+            (
+                format!("fused {set}"),
+                guarded(|| {
+                    forced(set, || {
+                        sdpa::scaled_dot_product_attention_backward(
+                            q,
+                            k,
+                            v,
+                            &opts,
+                            &partial,
+                            d32.d_out.view(),
+                        )
+                    })
+                }),
+            )
+        })
+        .collect();
+    calls.push((
+        "core f32".into(),
+        guarded(|| {
+            sdpa::core::scaled_dot_product_attention_backward(
+                q,
+                k,
+                v,
+                &opts,
+                &partial,
+                d32.d_out.view(),
+            )
+        }),
+    ));
+    // Merging made-up partials must not panic either.
+    let mut merged = partial.clone();
+    if let Err(panic) = guarded(|| merged.merge(&partial)) {
+        report.fail(BACKWARD_GARBAGE, format!("merge panicked: {panic}"));
+    }
+    for (label, called) in calls {
+        match called {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => report.fail(BACKWARD_GARBAGE, format!("{label}: {e}")),
+            Err(panic) => report.fail(BACKWARD_GARBAGE, format!("{label} panicked: {panic}")),
+        }
+    }
+}

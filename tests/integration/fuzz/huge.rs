@@ -1,0 +1,178 @@
+//! Huge shapes, each in a child process (an abort would end this one).
+
+use super::*;
+
+pub(super) const HUGE_CHILD: &str = "SDPA_FUZZ_HUGE_CASE";
+
+/// Shapes whose output cannot be allocated, reached through zero strides
+/// (so the inputs are tiny): `len_q`, batch, heads or `d_v` of 2^60 (an
+/// output of 2^62 bytes or more: no machine maps that) or 2^62 (past
+/// `isize::MAX` bytes), and `attention_weights` of 2^30 × 2^30. Every path
+/// must return the same `Err`: never panic, never abort the process.
+pub(super) const HUGE_CASES: &[(&str, [usize; 4], [usize; 4], usize)] = &[
+    // (name, q shape, k shape, d_v); v is k's shape with d_v columns.
+    (
+        "len_q = 2^62, d_v = 2: 2^63 output elements",
+        [1, 1, 1 << 62, 1],
+        [1, 1, 3, 1],
+        2,
+    ),
+    (
+        "len_q = 2^60, d_v = 1: 2^62 bytes",
+        [1, 1, 1 << 60, 1],
+        [1, 1, 3, 1],
+        1,
+    ),
+    ("batch = 2^60", [1 << 60, 1, 1, 1], [1 << 60, 1, 3, 1], 1),
+    (
+        "heads = 2^60 over one kv head",
+        [1, 1 << 60, 1, 1],
+        [1, 1, 3, 1],
+        1,
+    ),
+    ("d_v = 2^62, len_q = 2", [1, 1, 2, 4], [1, 1, 1, 4], 1 << 62),
+    (
+        "attention_weights of 2^30 × 2^30",
+        [1, 1, 1 << 30, 1],
+        [1, 1, 1 << 30, 1],
+        1,
+    ),
+];
+
+#[test]
+pub(super) fn huge_shapes_give_errors_not_panics_or_aborts() {
+    if let Some(index) = env_u64(HUGE_CHILD) {
+        return huge_case(index as usize);
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let mut failures = Vec::new();
+    for (index, (name, ..)) in HUGE_CASES.iter().enumerate() {
+        let mut child = std::process::Command::new(&exe)
+            .args([
+                "fuzz::huge::huge_shapes_give_errors_not_panics_or_aborts",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(HUGE_CHILD, index.to_string())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("the test binary runs");
+        let start = std::time::Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait for the child") {
+                break Some(status);
+            }
+            if start.elapsed() > std::time::Duration::from_secs(60) {
+                let _ = child.kill();
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let output = child.wait_with_output().expect("the child's output");
+        match status {
+            Some(status) if status.success() => {}
+            status => {
+                let stderr = String::from_utf8_lossy(&output.stderr);
+                let stdout = String::from_utf8_lossy(&output.stdout);
+                let said: Vec<&str> = stdout
+                    .lines()
+                    .chain(stderr.lines())
+                    .filter(|l| {
+                        l.contains("huge:") || l.contains("panicked") || l.contains("memory")
+                    })
+                    .collect();
+                failures.push(format!(
+                    "{name}: {}: {}",
+                    status.map_or("still running after 60 s".to_string(), |s| s.to_string()),
+                    said.join(" | ")
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "huge shapes:\n{}", failures.join("\n"));
+}
+
+pub(super) fn huge_case(index: usize) {
+    let (name, q_shape, k_shape, d_v) = HUGE_CASES[index];
+    let (q, k) = (
+        Array4::<f32>::ones([1, 1, 1, q_shape[3]]),
+        Array4::<f32>::ones([1, 1, 1, k_shape[3]]),
+    );
+    let v = Array4::<f32>::ones([1, 1, 1, 1]);
+    let v_shape = [k_shape[0], k_shape[1], k_shape[2], d_v];
+    let (q32, k32, v32) = (
+        q.broadcast(q_shape).unwrap(),
+        k.broadcast(k_shape).unwrap(),
+        v.broadcast(v_shape).unwrap(),
+    );
+    let (q64, k64, v64) = (q.mapv(f64::from), k.mapv(f64::from), v.mapv(f64::from));
+    let (q64, k64, v64) = (
+        q64.broadcast(q_shape).unwrap(),
+        k64.broadcast(k_shape).unwrap(),
+        v64.broadcast(v_shape).unwrap(),
+    );
+    let (o32, o64) = (
+        AttentionOptions::<f32>::new(),
+        AttentionOptions::<f64>::new(),
+    );
+    let mut outcomes: Vec<(String, Result<Option<ErrorKind>, String>)> = Vec::new();
+    let weights = name.starts_with("attention_weights");
+    for set in available_kernel_sets() {
+        if !weights {
+            println!("huge: {name}: fused {set}");
+            outcomes.push((
+                format!("fused {set}"),
+                outcome(&guarded(|| {
+                    forced(set, || {
+                        sdpa::scaled_dot_product_attention(q32, k32, v32, &o32)
+                    })
+                })),
+            ));
+            outcomes.push((
+                format!("fused {set} partial"),
+                outcome(&guarded(|| {
+                    forced(set, || {
+                        sdpa::scaled_dot_product_attention_partial(q32, k32, v32, &o32)
+                    })
+                })),
+            ));
+        }
+    }
+    println!("huge: {name}: core");
+    if weights {
+        outcomes.push((
+            "core f32 attention_weights".into(),
+            outcome(&guarded(|| sdpa::core::attention_weights(q32, k32, &o32))),
+        ));
+        outcomes.push((
+            "core f64 attention_weights".into(),
+            outcome(&guarded(|| sdpa::core::attention_weights(q64, k64, &o64))),
+        ));
+    } else {
+        outcomes.push((
+            "core f32".into(),
+            outcome(&guarded(|| {
+                sdpa::core::scaled_dot_product_attention(q32, k32, v32, &o32)
+            })),
+        ));
+        outcomes.push((
+            "core f64".into(),
+            outcome(&guarded(|| {
+                sdpa::core::scaled_dot_product_attention(q64, k64, v64, &o64)
+            })),
+        ));
+    }
+    println!("huge: {name}: {outcomes:?}");
+    let panics: Vec<_> = outcomes.iter().filter(|(_, o)| o.is_err()).collect();
+    assert!(panics.is_empty(), "huge: {name}: panics {panics:?}");
+    assert!(
+        outcomes.iter().all(|(_, o)| matches!(o, Ok(Some(_)))),
+        "huge: {name}: not every path returned Err: {outcomes:?}"
+    );
+    assert!(
+        outcomes.windows(2).all(|w| w[0].1 == w[1].1),
+        "huge: {name}: kinds differ: {outcomes:?}"
+    );
+}

@@ -1,0 +1,302 @@
+//! The oracle written from the README's semantics, the tolerances derived
+//! from each case's conditioning, and the forward checks against them.
+
+use super::*;
+
+/// The answer in `f64`, computed here with loops from the README's
+/// semantics: invisible keys are skipped; a `−inf` bias gives weight 0 and
+/// its value is never multiplied in; a row with no key of weight is zeros
+/// with log-sum-exp `−inf`; a NaN or `+inf` score makes the row NaN; a
+/// non-finite value of a key of weight reaches its column.
+pub(super) struct Reference {
+    pub(super) out: Array4<f64>,
+    pub(super) lse: Array3<f64>,
+    /// Rows whose answer the README leaves open: a `−inf` bias on a key
+    /// whose score is NaN or infinite (does the bias hide the key or is
+    /// `NaN − inf` NaN?), or a non-finite value of a key whose weight
+    /// underflows to 0. Only closeness of finite entries is checked there.
+    pub(super) ambiguous: Array3<bool>,
+    /// Rows that see a non-finite input: their query (if they see a key),
+    /// a visible key, a NaN or `+inf` bias of a visible key, or a value of
+    /// a live key. Such a row may come out non-finite on an `f32` path even
+    /// where the `f64` answer is finite (say `scale·q` underflows to 0 and
+    /// meets an infinite key: 0·inf = NaN).
+    pub(super) sees_non_finite: Array3<bool>,
+}
+
+pub(super) fn oracle(case: &Case, vis: &Visibility) -> Reference {
+    let [batch, heads, len_q, d_k] = case.q.shape;
+    let [_, kv_heads, len_kv, d_v] = case.v.shape;
+    let group = heads / kv_heads;
+    let scale = case.scale_f64();
+    let mut out = Array4::zeros((batch, heads, len_q, d_v));
+    let mut lse = Array3::from_elem((batch, heads, len_q), f64::NEG_INFINITY);
+    let mut ambiguous = Array3::from_elem((batch, heads, len_q), false);
+    let mut sees_non_finite = Array3::from_elem((batch, heads, len_q), false);
+    let finite_row = |t: &Tensor<f32>, b: usize, h: usize, i: usize, d: usize| {
+        (0..d).all(|c| t.at([b, h, i, c]).is_finite())
+    };
+    for (b, h, i) in ndarray::indices((batch, heads, len_q)) {
+        let g = h / group;
+        sees_non_finite[[b, h, i]] = (0..len_kv).any(|j| {
+            let bias = case.bias_at(b, h, i, j);
+            vis.visible[[b, h, i, j]]
+                && (!finite_row(&case.q, b, h, i, d_k)
+                    || !finite_row(&case.k, b, g, j, d_k)
+                    || bias.is_nan()
+                    || bias == f32::INFINITY
+                    || (vis.live[[b, h, i, j]] && !finite_row(&case.v, b, g, j, d_v)))
+        });
+        let mut scores = Vec::new();
+        for j in 0..len_kv {
+            if !vis.visible[[b, h, i, j]] {
+                continue;
+            }
+            let dot: f64 = (0..d_k)
+                .map(|d| case.q.at([b, h, i, d]) as f64 * case.k.at([b, g, j, d]) as f64)
+                .sum();
+            let bias = case.bias_at(b, h, i, j) as f64;
+            let score = scale * dot;
+            if bias == f64::NEG_INFINITY {
+                ambiguous[[b, h, i]] |= !score.is_finite();
+                continue;
+            }
+            scores.push((j, score + bias));
+        }
+        let max = scores.iter().fold(f64::NEG_INFINITY, |m, &(_, s)| {
+            if m.is_nan() || s.is_nan() {
+                f64::NAN
+            } else {
+                m.max(s)
+            }
+        });
+        if max == f64::NEG_INFINITY {
+            continue;
+        }
+        if !max.is_finite() {
+            out.slice_mut(s![b, h, i, ..]).fill(f64::NAN);
+            lse[[b, h, i]] = f64::NAN;
+            continue;
+        }
+        let sum: f64 = scores.iter().map(|&(_, s)| (s - max).exp()).sum();
+        for &(j, score) in &scores {
+            let weight = (score - max).exp() / sum;
+            let values = (0..d_v).map(|c| case.v.at([b, g, j, c]) as f64);
+            if weight == 0.0 {
+                ambiguous[[b, h, i]] |=
+                    score > f64::NEG_INFINITY && values.clone().any(|x| !x.is_finite());
+                continue;
+            }
+            for (c, x) in values.enumerate() {
+                out[[b, h, i, c]] += weight * x;
+            }
+        }
+        lse[[b, h, i]] = max + sum.ln();
+    }
+    Reference {
+        out,
+        lse,
+        ambiguous,
+        sees_non_finite,
+    }
+}
+
+/// How well conditioned a case is, and the tolerances that follow.
+///
+/// Error model, for a path computing in precision `eps` (inputs exact in
+/// both): the scaled, biased score `s = scale·q·k + bias` has error at most
+/// `Δs = 8·eps·(S + B + 1)`, where `S = |scale|·max|q|·max|k|·d_k` bounds
+/// `|scale|·Σ|q_d·k_d|` and `B = max|bias|` (8 covers the blocked dot
+/// product's depth, the max subtraction and the bias addition). A weight
+/// `w = e^(s − lse)` then has relative error at most `e^(2Δs) − 1 ≤ 4Δs`
+/// (for `Δs ≤ 0.6`), so the output `Σ w·v`, a convex combination, moves by
+/// at most `4Δs·max|v|`, plus `eps·(32 + 4·log2 len_kv)·max|v|` for `exp`
+/// (≤ 2 ulp), the normalisation and the summation. When `Δs` is large the
+/// bound exceeds `2·max|v|`, which no two convex combinations exceed: the
+/// check relaxes by itself where f32 cannot resolve the scores (a score of
+/// 1e6 has an ulp of 0.06). For inputs of order 1 it is about 3e-5·max|v|,
+/// the tolerance of the other tests.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Conditioning {
+    pub(super) score_bound: f64,
+    pub(super) bias_bound: f64,
+    pub(super) v_max: f64,
+    pub(super) len_kv: usize,
+    /// A score (or a partial product of it, in whatever order a path
+    /// multiplies) may pass `f32::MAX`: a non-finite `f32` output is then
+    /// explained.
+    pub(super) overflow_risk: bool,
+    /// Scores span less than 80, so no `f32` weight of a finite score
+    /// underflows to 0 (`e^−80 > f32::MIN_POSITIVE`), and a non-finite
+    /// value of a live key must reach the output.
+    pub(super) underflow_free: bool,
+}
+
+impl Conditioning {
+    pub(super) fn of(case: &Case) -> Self {
+        let q_max = max_abs(case.q.base.iter());
+        let k_max = max_abs(case.k.base.iter());
+        let scale = case.scale_f64().abs();
+        let d_k = case.q.shape[3] as f64;
+        let bias_bound = case.bias.as_ref().map_or(0.0, |b| max_abs(b.base.iter()));
+        let score_bound = scale * q_max * k_max * d_k;
+        let worst_order = scale.max(1.0) * q_max.max(1.0) * k_max.max(1.0) * d_k + bias_bound;
+        Conditioning {
+            score_bound,
+            bias_bound,
+            v_max: max_abs(case.v.base.iter()),
+            len_kv: case.len_kv(),
+            overflow_risk: worst_order * 64.0 > f32::MAX as f64,
+            underflow_free: 2.0 * (score_bound + bias_bound) < 80.0,
+        }
+    }
+
+    pub(super) fn score_error(&self, eps: f64) -> f64 {
+        8.0 * eps * (self.score_bound + self.bias_bound + 1.0)
+    }
+
+    pub(super) fn log_len(&self) -> f64 {
+        ((self.len_kv + 1) as f64).log2()
+    }
+
+    pub(super) fn output(&self, eps: f64) -> f64 {
+        self.v_max * (4.0 * self.score_error(eps) + eps * (32.0 + 4.0 * self.log_len()))
+            + f32::MIN_POSITIVE as f64
+    }
+
+    pub(super) fn log_sum_exp(&self, eps: f64, lse: f64) -> f64 {
+        2.0 * self.score_error(eps) + eps * (lse.abs() + 4.0 * self.log_len() + 4.0)
+    }
+}
+
+/// What a path is held to.
+#[derive(Clone, Copy)]
+pub(super) struct PathKind {
+    pub(super) eps: f64,
+    /// `f32` paths may give non-finite output where the scores overflow.
+    pub(super) may_overflow: bool,
+}
+
+pub(super) const F32_PATH: PathKind = PathKind {
+    eps: EPS32,
+    may_overflow: true,
+};
+pub(super) const F64_PATH: PathKind = PathKind {
+    eps: EPS64,
+    may_overflow: false,
+};
+
+pub(super) const EXPLAINED: &str = "non-finite output only where the f64 answer, a visible non-finite input or f32 overflow explains it";
+pub(super) const PROPAGATES: &str =
+    "non-finite visible input reaches the output (no silent finite value)";
+pub(super) const SEES_KEY: &str =
+    "a row that sees a key is never reported as seeing none (zeros / lse −inf)";
+pub(super) const SEES_NONE: &str = "a row that sees no key outputs exact zeros and lse −inf";
+pub(super) const CLOSE: &str = "output within tolerance of the f64 answer";
+pub(super) const LSE_CLOSE: &str = "log-sum-exp within tolerance of the f64 answer";
+
+/// Checks one path's output (and log-sum-exp) against the oracle.
+pub(super) fn check_forward(
+    label: &str,
+    path: PathKind,
+    out: &ArrayView4<'_, f64>,
+    lse: Option<&ArrayView3<'_, f64>>,
+    reference: &Reference,
+    c: &Conditioning,
+    report: &mut CaseReport,
+) {
+    let overflow = path.may_overflow && c.overflow_risk;
+    let propagate = !path.may_overflow || (c.underflow_free && !c.overflow_risk);
+    let tol = c.output(path.eps);
+    for ((b, h, i), &ambiguous) in reference.ambiguous.indexed_iter() {
+        let explained = ambiguous || (path.may_overflow && reference.sees_non_finite[[b, h, i]]);
+        let got = out.slice(s![b, h, i, ..]);
+        let want = reference.out.slice(s![b, h, i, ..]);
+        let want_lse = reference.lse[[b, h, i]];
+        let got_lse = lse.map(|l| l[[b, h, i]]);
+        let at = |what: &str, c: usize, g: f64, w: f64| {
+            format!("{label}: {what}[{b}, {h}, {i}, {c}] = {g:e}, f64 answer {w:e}")
+        };
+        for (col, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            if !g.is_finite() && w.is_finite() && !explained && !overflow {
+                report.fail(EXPLAINED, at("out", col, g, w));
+            }
+            if !w.is_finite() && g.is_finite() && !ambiguous && propagate {
+                report.fail(PROPAGATES, at("out", col, g, w));
+            }
+            if g.is_finite() && w.is_finite() && (g - w).abs() > tol {
+                report.fail(
+                    CLOSE,
+                    format!(
+                        "{}, |error| {:e} > tolerance {tol:e}",
+                        at("out", col, g, w),
+                        (g - w).abs()
+                    ),
+                );
+            }
+        }
+        if let Some(g) = got_lse {
+            let w = want_lse;
+            if !g.is_finite() && w.is_finite() && !explained && !overflow {
+                report.fail(EXPLAINED, at("lse", 0, g, w));
+            }
+            if w.is_nan() && !g.is_nan() && !ambiguous && propagate {
+                report.fail(PROPAGATES, at("lse", 0, g, w));
+            }
+            let tol = c.log_sum_exp(path.eps, w);
+            if g.is_finite() && w.is_finite() && (g - w).abs() > tol {
+                report.fail(
+                    LSE_CLOSE,
+                    format!(
+                        "{}, |error| {:e} > tolerance {tol:e}",
+                        at("lse", 0, g, w),
+                        (g - w).abs()
+                    ),
+                );
+            }
+        }
+        if ambiguous {
+            continue;
+        }
+        if want_lse == f64::NEG_INFINITY {
+            if got.iter().any(|&g| g != 0.0) || got_lse.is_some_and(|g| g != f64::NEG_INFINITY) {
+                report.fail(
+                    SEES_NONE,
+                    format!("{label}: row [{b}, {h}, {i}] = {got} with lse {got_lse:?}"),
+                );
+            }
+        } else {
+            let zeros = want.iter().all(|w| w.is_finite())
+                && want.iter().any(|&w| w != 0.0)
+                && got.iter().all(|&g| g == 0.0);
+            if zeros || got_lse == Some(f64::NEG_INFINITY) {
+                report.fail(SEES_KEY, format!("{label}: row [{b}, {h}, {i}] = {got} with lse {got_lse:?}, f64 answer {want} with lse {want_lse:e}"));
+            }
+        }
+    }
+}
+
+/// The first index where two arrays differ in bits (NaNs of any payload
+/// count as equal).
+pub(super) fn first_bit_difference(
+    a: &ArrayView4<'_, f32>,
+    b: &ArrayView4<'_, f32>,
+) -> Option<String> {
+    if a.shape() != b.shape() {
+        return Some(format!("shapes {:?} and {:?}", a.shape(), b.shape()));
+    }
+    a.indexed_iter()
+        .zip(b.iter())
+        .find_map(|((index, &x), &y)| {
+            (x.to_bits() != y.to_bits() && !(x.is_nan() && y.is_nan()))
+                .then(|| format!("{index:?}: {x:e} vs {y:e}"))
+        })
+}
+
+pub(super) fn to_f64_4(a: &ArrayView4<'_, f32>) -> Array4<f64> {
+    a.mapv(f64::from)
+}
+
+pub(super) fn to_f64_3(a: &ArrayView3<'_, f32>) -> Array3<f64> {
+    a.mapv(f64::from)
+}
