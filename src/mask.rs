@@ -13,17 +13,21 @@
 //! - no visible key, or every visible key hidden by a `−inf` bias: zeros,
 //!   log-sum-exp `−inf` (the row saw nothing);
 //! - a visible score that is NaN or `+inf` (from a non-finite query, key or
-//!   bias, or a product that overflowed): NaN, through the softmax;
-//! - every visible, unhidden score `−inf` (a non-finite input or a product
-//!   that overflowed towards `−inf`): NaN too, never the zeros of a row
-//!   that saw nothing ([`Call::has_unhidden_key`] tells the two apart).
+//!   bias): NaN, through the softmax;
+//! - a product `scale·q·k` that overflowed the type, whatever its sign:
+//!   NaN ([`Call::mark_overflowed_scores`]), on every path;
+//! - every visible, unhidden score `−inf` (from a non-finite input): output
+//!   NaN, never the zeros of a row that saw nothing
+//!   ([`Call::has_unhidden_key`] tells the two apart), and log-sum-exp
+//!   `−inf`, the log of its zero sum of weights, so that a key shard of
+//!   such keys merges into the others' result as nothing.
 
 use std::ops::Range;
 
-use ndarray::{ArrayView1, ArrayView4, Axis};
+use ndarray::{ArrayView1, ArrayView4, ArrayViewMut1, Axis};
 use num_traits::Float;
 
-use crate::call::Call;
+use crate::call::{Call, head};
 use crate::options::CausalAlignment;
 
 /// The keys one query row may see: a contiguous range `[start, end)` from
@@ -156,6 +160,37 @@ impl<F: Copy> Call<'_, F> {
                     .as_ref()
                     .is_none_or(|bias| bias[broadcast(bias.len(), offset + j)] != F::neg_infinity())
         })
+    }
+
+    /// Marks as NaN each score of query `i` of batch item `b`, head `h`
+    /// against keys `j0..j0 + scores.len()` that is not finite although
+    /// its query row and key row are: the product `scale·q·k` overflowed
+    /// the type. Such a sum's sign depends on the order of its terms (one
+    /// that overflows towards `−inf` would silently give the key weight 0),
+    /// so every path makes it NaN and the row shows it. Scores a
+    /// non-finite input explains are left as they are.
+    ///
+    /// Called only for rows with a non-finite score: it reads the inputs.
+    pub(crate) fn mark_overflowed_scores(
+        &self,
+        b: usize,
+        h: usize,
+        i: usize,
+        j0: usize,
+        scores: ArrayViewMut1<'_, F>,
+    ) where
+        F: Float,
+    {
+        let all_finite = |row: ArrayView1<'_, F>| row.iter().all(|x| x.is_finite());
+        if !all_finite(head(&self.q, b, h).row(i)) {
+            return;
+        }
+        let keys = head(&self.k, b, self.shape.kv_head(h));
+        for (j, score) in (j0..).zip(scores) {
+            if !score.is_finite() && all_finite(keys.row(j)) {
+                *score = F::nan();
+            }
+        }
     }
 
     /// The bias row of query `i` of batch item `b`, head `h` (indexed like a

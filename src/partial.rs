@@ -144,8 +144,10 @@ impl<F: Element> AttentionPartial<F> {
 }
 
 /// Merges one row: `(out, lse) ← (out, lse) ⊕ (other_out, other_lse)`.
-/// A side with `lse = −inf` saw no key and contributes nothing (its output
-/// is never multiplied, so even a NaN there cannot leak).
+/// A side with `lse = −inf` has no weight and contributes nothing beside
+/// one that has (its output is never multiplied, so even a NaN there cannot
+/// leak). When neither has weight, a NaN output sticks: a row whose
+/// visible keys all scored `−inf` is NaN, split or not (see `mask.rs`).
 pub(crate) fn merge_row<F: Float>(
     mut out: ArrayViewMut1<'_, F>,
     lse: &mut F,
@@ -153,6 +155,11 @@ pub(crate) fn merge_row<F: Float>(
     other_lse: F,
 ) {
     if other_lse == F::neg_infinity() {
+        if *lse == F::neg_infinity() {
+            // Neither side has weight; a NaN output (a row whose keys all
+            // scored −inf) sticks over the zeros of one that saw nothing.
+            out.iter_mut().zip(other_out).for_each(|(x, y)| *x = *x + y);
+        }
         return;
     }
     if *lse == F::neg_infinity() {

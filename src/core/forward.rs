@@ -48,7 +48,7 @@ pub(crate) fn forward<F: Element>(
                         .index_axis_move(Axis(0), h)
                         .slice_axis_move(Axis(0), Slice::from(rows.clone()))
                 });
-                rows_weights(call, b, h, rows.clone(), weights.view_mut(), lse);
+                rows_weights(call, b, h, rows.clone(), weights.view_mut(), lse)?;
                 weighted_values(
                     weights.view(),
                     vh,
@@ -63,6 +63,9 @@ pub(crate) fn forward<F: Element>(
 /// The weights of query rows `rows` of batch item `b`, head `h` against
 /// every key, `[rows, len_kv]`, into `weights`, and each row's log-sum-exp
 /// into `log_sum_exp` when given.
+///
+/// # Errors
+/// When the block of scaled queries cannot be allocated.
 pub(crate) fn rows_weights<F: Element>(
     call: &Call<'_, F>,
     b: usize,
@@ -70,39 +73,49 @@ pub(crate) fn rows_weights<F: Element>(
     rows: Range<usize>,
     mut weights: ArrayViewMut2<'_, F>,
     mut log_sum_exp: Option<ArrayViewMut1<'_, F>>,
-) {
+) -> Result<(), AttentionError> {
     let qh = head(&call.q, b, h);
     let kh = head(&call.k, b, call.shape.kv_head(h));
+    // The scale multiplies Q before the product, as on the fused path: a
+    // scale of 0 then gives scores of 0, never 0·inf.
+    let mut q_scaled = try_zeros("a block of scaled queries", (rows.len(), call.shape.d_k))?;
+    q_scaled.zip_mut_with(
+        &qh.slice_axis(Axis(0), Slice::from(rows.clone())),
+        |y, &x| *y = call.scale * x,
+    );
     // Scores of masked keys are computed too (a matrix product cannot skip
     // them); `softmax_row` then discards them by selection, so NaN or inf
     // there does no harm.
-    let q_rows = qh.slice_axis(Axis(0), Slice::from(rows.clone()));
-    general_mat_mul(call.scale, &q_rows, &kh.t(), F::zero(), &mut weights);
+    general_mat_mul(F::one(), &q_scaled, &kh.t(), F::zero(), &mut weights);
     for (r, mut row) in weights.rows_mut().into_iter().enumerate() {
         let i = rows.start + r;
+        if !row.iter().all(|s| s.is_finite()) {
+            call.mark_overflowed_scores(b, h, i, 0, row.view_mut());
+        }
         let visible = call.visible_keys(b, h, i);
         let bias = call.bias_row(b, h, i);
-        let mut lse = softmax_row(row.view_mut(), &visible, bias.as_ref());
+        let lse = softmax_row(row.view_mut(), &visible, bias.as_ref());
         // Every visible score −inf: a row that saw nothing, unless a key the
-        // bias does not hide is among them (the shared rule of `mask.rs`).
+        // bias does not hide is among them (the shared rule of `mask.rs`):
+        // then its output is NaN, and its log-sum-exp stays −inf.
         if lse == F::neg_infinity() && call.has_unhidden_key(b, h, i, 0..call.shape.len_kv) {
             row.fill(F::nan());
-            lse = F::nan();
         }
         if let Some(log_sum_exp) = log_sum_exp.as_mut() {
             log_sum_exp[r] = lse;
         }
     }
+    Ok(())
 }
 
 /// Turns one row of scaled scores into weights in place: bias added,
 /// masked keys (and keys a `−inf` bias hides) set to exactly 0, the maximum
 /// subtracted before `exp`. Returns the log-sum-exp of the visible scores.
 ///
+/// A NaN or `+inf` visible score makes the row NaN (and its log-sum-exp).
 /// A row whose visible scores are all `−inf` (or that has none) becomes
 /// all 0 with log-sum-exp `−inf`; the caller tells a row that saw nothing
-/// from one whose scores overflowed. A NaN or `+inf` visible score makes
-/// the row NaN.
+/// from one whose keys all scored `−inf`.
 fn softmax_row<F: Element>(
     mut row: ArrayViewMut1<'_, F>,
     visible: &VisibleKeys<'_>,
@@ -113,6 +126,10 @@ fn softmax_row<F: Element>(
         if visible.contains(j) {
             if let Some(bias) = bias {
                 *score = biased(*score, bias[broadcast(bias.len(), visible.key_offset + j)]);
+            }
+            if score.is_nan() {
+                row.fill(F::nan());
+                return F::nan();
             }
             max = max.max(*score);
         }

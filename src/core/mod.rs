@@ -109,7 +109,7 @@ pub fn attention_weights<F: Element>(
     for b in 0..shape.batch {
         for h in 0..shape.heads {
             let rows = 0..shape.len_q;
-            forward::rows_weights(&call, b, h, rows, head_mut(&mut weights, b, h), None);
+            forward::rows_weights(&call, b, h, rows, head_mut(&mut weights, b, h), None)?;
         }
     }
     Ok(weights)

@@ -33,7 +33,7 @@ use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis, s};
 
 use super::pack::{PackedHead, QueryRows};
 use super::scratch::Scratch;
-use super::tile::{TilePosition, TileSpan, accumulate_skipping_zero_weights, add_bias, mask};
+use super::tile::{TilePosition, TileSpan, add_bias, mask};
 use super::{KEY_TILE, QUERY_TILE};
 use crate::alloc::{element_count, try_zeros};
 use crate::call::{AttentionShape, BackwardCall, head, head_mut};
@@ -41,7 +41,7 @@ use crate::error::AttentionError;
 use crate::gradients::GradientsViewMut;
 use crate::mask::broadcast;
 use crate::parallel::map_with;
-use crate::simd::{Kernel, WithKernel};
+use crate::simd::{Kernel, WithKernel, ZeroWeights};
 
 /// One backward call, waiting for its kernel.
 pub(super) struct Backward<'c, 'a, 'g> {
@@ -337,6 +337,7 @@ impl TileBuffers {
             v_width,
             &self.ones[..KEY_TILE],
             d_v_tile,
+            ZeroWeights::Multiply,
         );
 
         // dS = P ∘ (dP − D), with dP = dO_i · V_jᵀ; 0 wherever P is.
@@ -378,6 +379,7 @@ impl TileBuffers {
             k_width,
             &self.ones[..KEY_TILE],
             d_k_tile,
+            ZeroWeights::Multiply,
         );
 
         // dQ_i += dS · K_j (scaled at the end).
@@ -386,10 +388,18 @@ impl TileBuffers {
             .slice_mut(s![i0..i0 + n, ..])
             .into_slice()
             .expect("a standard-layout tile");
-        if values_first.tile_has_nonfinite_rows[t] {
-            accumulate_skipping_zero_weights(d_s_tile, k_rows, &self.ones[..n], d_q_tile);
+        let zero_weights = if values_first.tile_has_nonfinite_rows[t] {
+            ZeroWeights::Skip
         } else {
-            kernel.accumulate_values(d_s_tile, k_rows, k_width, &self.ones[..n], d_q_tile);
-        }
+            ZeroWeights::Multiply
+        };
+        kernel.accumulate_values(
+            d_s_tile,
+            k_rows,
+            k_width,
+            &self.ones[..n],
+            d_q_tile,
+            zero_weights,
+        );
     }
 }

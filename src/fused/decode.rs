@@ -133,6 +133,12 @@ impl KeySource for KeyRows<'_> {
         kernel.row_scores(q, d_k, k_tile, scores, KEY_TILE);
     }
 
+    /// Unknown without reading every key again, which would double what
+    /// decoding reads: every tile's scores are checked instead.
+    fn max_abs_key(&self) -> f32 {
+        f32::INFINITY
+    }
+
     /// Only a weight of exactly 0 (masked or underflowed) can meet a
     /// non-finite value as `0·NaN`: the values are scanned only when the
     /// weights hold one, which decoding over unmasked keys seldom does.

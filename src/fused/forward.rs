@@ -32,7 +32,9 @@ impl WithKernel for Forward<'_, '_> {
             out,
             log_sum_exp,
         } = self;
-        if out.is_empty() {
+        // With `d_v = 0` the output is empty but a log-sum-exp asked for
+        // is not: the softmax still runs.
+        if out.is_empty() && log_sum_exp.as_ref().is_none_or(|lse| lse.is_empty()) {
             return Ok(());
         }
         if decode::reads_keys_in_place::<K>(call) {
@@ -138,6 +140,10 @@ impl KeySource for PackedKeys<'_> {
     fn scores<K: Kernel>(&self, kernel: K, q: &[f32], d_k: usize, j0: usize, scores: &mut [f32]) {
         let panels = self.packed.tile_panels(j0, self.d_k);
         kernel.scores(q, d_k, panels, scores, KEY_TILE);
+    }
+
+    fn max_abs_key(&self) -> f32 {
+        self.packed.panels_max_abs
     }
 
     /// Packing noted which tiles hold a non-finite value.

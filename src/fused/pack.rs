@@ -28,6 +28,9 @@ pub(crate) struct PackedHead {
     /// up to the vector width.
     rows: Scratch,
     row_width: usize,
+    /// The largest `|x|` in the first matrix (NaN ignored): with the
+    /// queries' it bounds the scores, which tells when they may overflow.
+    pub(crate) panels_max_abs: f32,
     /// Per key tile: does `rows` hold a NaN or an infinity there?
     pub(crate) tile_has_nonfinite_rows: Vec<bool>,
 }
@@ -52,6 +55,7 @@ impl PackedHead {
             panels: Scratch::zeroed("packed keys", panels)?,
             rows: Scratch::zeroed("packed values", rows)?,
             row_width,
+            panels_max_abs: 0.0,
             tile_has_nonfinite_rows: try_filled("packed values", tiles, false)?,
         })
     }
@@ -67,15 +71,27 @@ impl PackedHead {
         let width = for_panels.ncols();
         let panel = K::KEY_PANEL;
         // Key j is column j % panel of panel j / panel, a `[width][panel]` block.
+        let max_abs = |max: f32, x: &f32| max.max(x.abs());
+        self.panels_max_abs = 0.0;
         for (j, key) in for_panels.rows().into_iter().enumerate() {
             let column = &mut self.panels[(j / panel) * panel * width + j % panel..];
             let column = column.iter_mut().step_by(panel);
-            match key.as_slice() {
-                Some(key) => column.zip(key).for_each(|(packed, &x)| *packed = x),
-                None => column.zip(&key).for_each(|(packed, &x)| *packed = x),
-            }
+            let key_max_abs = match key.as_slice() {
+                Some(key) => {
+                    column.zip(key).for_each(|(packed, &x)| *packed = x);
+                    key.iter().fold(0.0, max_abs)
+                }
+                None => {
+                    column.zip(&key).for_each(|(packed, &x)| *packed = x);
+                    key.iter().fold(0.0, max_abs)
+                }
+            };
+            self.panels_max_abs = self.panels_max_abs.max(key_max_abs);
         }
         self.tile_has_nonfinite_rows.fill(false);
+        if self.row_width == 0 {
+            return; // `d_v = 0`: a forward for the log-sum-exp alone.
+        }
         for (j, (row, packed)) in for_rows
             .rows()
             .into_iter()

@@ -1,8 +1,8 @@
 //! One query tile against a run of key tiles: the online softmax of the
 //! forward (`QueryTile::attend`, written once for every key source), and
 //! the pieces the forward and backward share per score tile: which key
-//! tiles a query tile sees (`TileSpan`), the bias, the element-wise mask,
-//! and the zero-skipping `P·V` for tiles whose values are not all finite.
+//! tiles a query tile sees (`TileSpan`), the bias and the element-wise
+//! mask.
 
 use std::ops::Range;
 
@@ -13,7 +13,7 @@ use super::scratch::Scratch;
 use crate::call::{AttentionShape, Call};
 use crate::error::AttentionError;
 use crate::mask::{biased, broadcast};
-use crate::simd::Kernel;
+use crate::simd::{Kernel, ZeroWeights};
 
 /// Where a query tile sits: batch item, head, first row and row count.
 #[derive(Debug, Clone, Copy)]
@@ -62,6 +62,21 @@ impl TileSpan {
     /// mask, or a row's range (or the end of the keys) cutting through it.
     pub(crate) fn needs_mask(&self, j0: usize, call: &Call<'_, f32>) -> bool {
         call.opts.keep_mask.is_some() || j0 + KEY_TILE > self.min_end || j0 < self.max_start
+    }
+}
+
+/// Makes NaN the scores (row stride `KEY_TILE`) of the tile's real rows
+/// and keys whose product overflowed ([`Call::mark_overflowed_scores`]).
+/// Finite scores, the common case even when a bound said they might not
+/// be, cost one pass.
+fn mark_overflowed_scores(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call<'_, f32>) {
+    let keys = KEY_TILE.min(call.shape.len_kv - j0);
+    for (r, row) in scores.chunks_exact_mut(KEY_TILE).take(at.rows).enumerate() {
+        let row = &mut row[..keys];
+        // Not `all`: without an early exit the check vectorizes.
+        if !row.iter().fold(true, |finite, x| finite & x.is_finite()) {
+            call.mark_overflowed_scores(at.b, at.h, at.i0 + r, j0, row.into());
+        }
     }
 }
 
@@ -123,33 +138,6 @@ pub(crate) fn mask(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call
     }
 }
 
-/// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` term by term for the
-/// `alpha.len()` rows, skipping zero weights so that a NaN or infinite
-/// value of a masked key cannot turn into `0·NaN`. `o` has rows of
-/// `o.len() / rows` numbers.
-pub(crate) fn accumulate_skipping_zero_weights(
-    p: ArrayView2<'_, f32>,
-    values: ArrayView2<'_, f32>,
-    alpha: &[f32],
-    o: &mut [f32],
-) {
-    if alpha.is_empty() {
-        return;
-    }
-    let width = o.len() / alpha.len();
-    for (r, o) in o.chunks_exact_mut(width).enumerate() {
-        o.iter_mut().for_each(|x| *x *= alpha[r]);
-        for (j, value) in values.rows().into_iter().enumerate() {
-            let weight = p[[r, j]];
-            if weight != 0.0 {
-                for (x, &v) in o.iter_mut().zip(value) {
-                    *x += weight * v;
-                }
-            }
-        }
-    }
-}
-
 /// Where a query tile's key and value tiles come from: one head packed for
 /// the register-tiled kernels (prefill, `forward.rs`), or its rows read in
 /// place (decode, `decode.rs`). The online softmax is the same for both.
@@ -160,6 +148,10 @@ pub(crate) trait KeySource {
     /// `S = q·K_tᵀ` for the key tile starting at `j0`, into `scores`
     /// (row stride `KEY_TILE`); `q` holds the computed rows, `d_k` each.
     fn scores<K: Kernel>(&self, kernel: K, q: &[f32], d_k: usize, j0: usize, scores: &mut [f32]);
+
+    /// The largest `|k|` of the source's keys (NaN ignored), or `+inf` when
+    /// not known.
+    fn max_abs_key(&self) -> f32;
 
     /// The value rows of the key tile starting at `j0` (whole tiles but at
     /// the end of a source read in place), and whether `P·V` must skip the
@@ -182,6 +174,8 @@ pub(crate) struct QueryTile {
     sum: Scratch,
     alpha: Scratch,
     value_width: usize,
+    /// The largest `|x|` of the scaled query rows (NaN ignored).
+    q_max_abs: f32,
 }
 
 impl QueryTile {
@@ -205,6 +199,7 @@ impl QueryTile {
             sum: buffer(Some(rows))?,
             alpha: buffer(Some(rows))?,
             value_width,
+            q_max_abs: 0.0,
         })
     }
 
@@ -223,6 +218,11 @@ impl QueryTile {
         let rows = S::computed_rows::<K>(at.rows);
         self.load_queries(call, at, rows);
         let span = TileSpan::of(at, call);
+        // |scale·q·k| ≤ d_k·max|scale·q|·max|k|: below half of `f32::MAX`
+        // (the margin covers rounding) no score can overflow, and the
+        // scores need no check.
+        let may_overflow = f64::from(self.q_max_abs) * f64::from(source.max_abs_key()) * d_k as f64
+            > f64::from(f32::MAX) / 2.0;
 
         self.max[..rows].fill(f32::NEG_INFINITY);
         self.sum[..rows].fill(0.0);
@@ -234,6 +234,9 @@ impl QueryTile {
             let j0 = t * KEY_TILE;
             let scores = &mut self.scores[..rows * KEY_TILE];
             source.scores(kernel, &self.q[..rows * d_k], d_k, j0, scores);
+            if may_overflow {
+                mark_overflowed_scores(scores, at, j0, call);
+            }
             add_bias(scores, at, j0, call);
             let masked = span.needs_mask(j0, call);
             if masked {
@@ -247,15 +250,19 @@ impl QueryTile {
                 &mut self.sum[..rows],
                 &mut self.alpha[..rows],
             );
+            if width == 0 {
+                continue; // `d_v = 0`: only the log-sum-exp is wanted.
+            }
             let p = ArrayView2::from_shape((rows, KEY_TILE), &self.scores[..rows * KEY_TILE])
                 .expect("a whole tile");
             let (values, nonfinite) = source.values(j0, p);
-            let (alpha, o) = (&self.alpha[..rows], &mut self.o[..rows * width]);
-            if nonfinite {
-                accumulate_skipping_zero_weights(p, values, alpha, o);
+            let zero_weights = if nonfinite {
+                ZeroWeights::Skip
             } else {
-                kernel.accumulate_values(p, values, width, alpha, o);
-            }
+                ZeroWeights::Multiply
+            };
+            let (alpha, o) = (&self.alpha[..rows], &mut self.o[..rows * width]);
+            kernel.accumulate_values(p, values, width, alpha, o, zero_weights);
         }
     }
 
@@ -286,16 +293,20 @@ impl QueryTile {
                 }
             }
         }
+        self.q_max_abs = self.q[..rows * d_k]
+            .iter()
+            .fold(0.0, |max, x| max.max(x.abs()));
     }
 
     /// Writes `O / ℓ` for the tile's rows into `out_tile`, and `m + ln ℓ`
     /// into `log_sum_exp`, after [`attend`](Self::attend) over `keys`.
     ///
-    /// A NaN `ℓ` (a NaN or `+inf` visible score) gives NaN. `ℓ = 0` means
-    /// every visible score was `−inf`: a row that saw nothing (no visible
-    /// key, or all hidden by a `−inf` bias) gets zeros and `−inf`; a row with
-    /// an unhidden visible key got there by a non-finite input or an
-    /// overflowing score, and gets NaN (see `mask.rs`).
+    /// A NaN `ℓ` (a NaN or `+inf` visible score, or an overflowed product)
+    /// gives NaN. `ℓ = 0` means every visible score was `−inf`: a row that
+    /// saw nothing (no visible key, or all hidden by a `−inf` bias) gets
+    /// zeros and `−inf`; a row with an unhidden visible key got there by a
+    /// non-finite input, and gets NaN with log-sum-exp `−inf` (see
+    /// `mask.rs`).
     pub(crate) fn write_output(
         &self,
         call: &Call<'_, f32>,
@@ -318,7 +329,7 @@ impl QueryTile {
                 self.max[r] + sum.ln()
             } else if call.has_unhidden_key(at.b, at.h, at.i0 + r, keys.clone()) {
                 out_row.fill(f32::NAN);
-                f32::NAN
+                f32::NEG_INFINITY
             } else {
                 out_row.fill(0.0);
                 f32::NEG_INFINITY

@@ -19,7 +19,7 @@ use ndarray::ArrayView2;
 
 use super::scores::{RowScores, Scores};
 use super::softmax::{ExpRowsShifted, SoftmaxRows};
-use super::values::AccumulateValues;
+use super::values::{AccumulateValues, ZeroWeights};
 use super::vector::Vector;
 
 /// A kernel: an operation written once, generic over the vector type `V`
@@ -163,7 +163,8 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
     /// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` ([`AccumulateValues`]) for
     /// the `alpha.len()` rows of `p` (any strides: `p.t()` of a tile is its
     /// transpose, with no copy), the keys that are `v`'s rows, and the first
-    /// `value_width` columns of `v` and `o`.
+    /// `value_width` columns of `v` and `o`; `zero_weights` says whether
+    /// `v` may hold non-finite rows a zero weight must skip.
     ///
     /// # Panics
     /// When a size does not fit (a bug in the driver, never bad user input).
@@ -174,6 +175,7 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
         value_width: usize,
         alpha: &[f32],
         o: &mut [f32],
+        zero_weights: ZeroWeights,
     ) {
         self.run(AccumulateValues {
             p,
@@ -181,6 +183,7 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
             value_width,
             alpha,
             o,
+            zero_weights,
         })
     }
 }

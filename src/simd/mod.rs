@@ -61,6 +61,7 @@ mod avx512;
 mod neon;
 
 pub(crate) use kernel::Kernel;
+pub(crate) use values::ZeroWeights;
 
 /// One set of hand-vectorized kernels, named by the instruction set it needs.
 ///

@@ -6,8 +6,8 @@ use super::exp::{EXP_MIN_INPUT, exp};
 use super::kernel::KernelOp;
 use super::vector::Vector;
 use super::{
-    Kernel, KernelSet, WithKernel, available_kernel_sets, current_kernel_set, selected_kernel_set,
-    with_kernel, with_kernel_set,
+    Kernel, KernelSet, WithKernel, ZeroWeights, available_kernel_sets, current_kernel_set,
+    selected_kernel_set, with_kernel, with_kernel_set,
 };
 
 /// Runs `job` once per available kernel set.
@@ -301,9 +301,11 @@ impl WithKernel for TileCheck {
                 width,
                 &alpha[..some],
                 &mut o,
+                ZeroWeights::Multiply,
             );
             let p = p.slice(ndarray::s![..some, ..keys]);
             check_accumulated::<K>(&o, &o_start, p, v_rows, &alpha[..some]);
+            check_skipping_zero_weights(kernel, p, v_rows, &alpha[..some], &o_start, &o);
         }
         // The weights read transposed (the backward's Pᵀ·dO): keys × rows.
         let p = ArrayView2::from_shape((rows, stride), &s).unwrap();
@@ -317,6 +319,7 @@ impl WithKernel for TileCheck {
             width,
             &ones,
             &mut o,
+            ZeroWeights::Multiply,
         );
         for j in 0..keys {
             for c in 0..width {
@@ -355,6 +358,49 @@ fn check_accumulated<K: Kernel>(
             );
         }
     }
+}
+
+/// [`ZeroWeights::Skip`] against [`ZeroWeights::Multiply`] (which gave
+/// `o_multiplied`): the same bits on finite values; and with every other
+/// key's weights zeroed and its value row made NaN or `±inf`, the bits of
+/// multiplying those zero weights with the finite values.
+fn check_skipping_zero_weights<K: Kernel>(
+    kernel: K,
+    p: ArrayView2<'_, f32>,
+    v: ArrayView2<'_, f32>,
+    alpha: &[f32],
+    o_start: &[f32],
+    o_multiplied: &[f32],
+) {
+    let width = v.ncols();
+    let accumulate = |p: ArrayView2<'_, f32>, v: ArrayView2<'_, f32>, zero_weights| {
+        let mut o = o_start[..alpha.len() * width].to_vec();
+        kernel.accumulate_values(p, v, width, alpha, &mut o, zero_weights);
+        o
+    };
+    let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&accumulate(p, v, ZeroWeights::Skip)),
+        bits(o_multiplied),
+        "{}: skipping changed finite sums",
+        K::SET
+    );
+    let (mut p_holes, mut v_poisoned) = (p.to_owned(), v.to_owned());
+    for j in (0..v.nrows()).step_by(2) {
+        p_holes.column_mut(j).fill(0.0);
+        let poison = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][j / 2 % 3];
+        v_poisoned.row_mut(j).fill(poison);
+    }
+    assert_eq!(
+        bits(&accumulate(
+            p_holes.view(),
+            v_poisoned.view(),
+            ZeroWeights::Skip
+        )),
+        bits(&accumulate(p_holes.view(), v, ZeroWeights::Multiply)),
+        "{}: a skipped NaN/inf value row changed the sums",
+        K::SET
+    );
 }
 
 #[test]

@@ -10,6 +10,19 @@ use super::kernel::KernelOp;
 use super::layout::{PREFETCH_ROWS_AHEAD, Rows, Weights, prefetch_row};
 use super::vector::Vector;
 
+/// What a zero weight contributes to `P·V`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ZeroWeights {
+    /// Multiplied like any weight: the fast kernel, for value rows known
+    /// to be finite (then `0·v` adds exactly nothing).
+    Multiply,
+    /// Skipped, for value rows that may hold NaN or `±inf`: a masked key's
+    /// NaN value must not become `0·NaN`. The sums keep the order and the
+    /// rounding of [`ZeroWeights::Multiply`], so where the values are
+    /// finite the two give the same bits.
+    Skip,
+}
+
 /// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` for the `alpha.len()` rows of
 /// `p` (any strides: `p.t()` of a tile is its transpose, with no copy), the
 /// keys that are `v`'s rows (contiguous), and the first `value_width`
@@ -20,6 +33,7 @@ pub(crate) struct AccumulateValues<'a> {
     pub value_width: usize,
     pub alpha: &'a [f32],
     pub o: &'a mut [f32],
+    pub zero_weights: ZeroWeights,
 }
 
 impl KernelOp for AccumulateValues<'_> {
@@ -46,6 +60,7 @@ impl KernelOp for AccumulateValues<'_> {
             value_width,
             alpha,
             o,
+            zero_weights,
         } = self;
         let (rows, keys) = (alpha.len(), v.nrows());
         assert!(
@@ -72,20 +87,41 @@ impl KernelOp for AccumulateValues<'_> {
                 alpha: alpha.add(r0),
                 o: o.add(r0 * value_width),
             };
-            let whole = rows - rows % ROWS;
-            for r0 in (0..whole).step_by(ROWS) {
-                block(r0).run_columns::<V, ROWS, VALUE_VECTORS>(vectors);
+            match zero_weights {
+                ZeroWeights::Multiply => {
+                    run_rows::<V, ROWS, VALUE_VECTORS, false>(block, rows, vectors)
+                }
+                ZeroWeights::Skip => run_rows::<V, ROWS, VALUE_VECTORS, true>(block, rows, vectors),
             }
-            // The last few rows, with a shorter register tile.
-            match rows - whole {
-                0 => {}
-                1 => block(whole).run_columns::<V, 1, VALUE_VECTORS>(vectors),
-                2 => block(whole).run_columns::<V, 2, VALUE_VECTORS>(vectors),
-                3 => block(whole).run_columns::<V, 3, VALUE_VECTORS>(vectors),
-                4 => block(whole).run_columns::<V, 4, VALUE_VECTORS>(vectors),
-                5 => block(whole).run_columns::<V, 5, VALUE_VECTORS>(vectors),
-                _ => unreachable!("ROWS is at most 6"),
-            }
+        }
+    }
+}
+
+/// The `rows` rows of [`AccumulateValues`], `ROWS` at a time.
+///
+/// # Safety
+/// As [`ValueBlock::run_columns`], for every block `block(r0)` gives.
+#[inline(always)]
+unsafe fn run_rows<V: Vector, const ROWS: usize, const NV: usize, const SKIP: bool>(
+    block: impl Fn(usize) -> ValueBlock,
+    rows: usize,
+    vectors: usize,
+) {
+    // SAFETY: the caller guarantees the instruction set and the sizes.
+    unsafe {
+        let whole = rows - rows % ROWS;
+        for r0 in (0..whole).step_by(ROWS) {
+            block(r0).run_columns::<V, ROWS, NV, SKIP>(vectors);
+        }
+        // The last few rows, with a shorter register tile.
+        match rows - whole {
+            0 => {}
+            1 => block(whole).run_columns::<V, 1, NV, SKIP>(vectors),
+            2 => block(whole).run_columns::<V, 2, NV, SKIP>(vectors),
+            3 => block(whole).run_columns::<V, 3, NV, SKIP>(vectors),
+            4 => block(whole).run_columns::<V, 4, NV, SKIP>(vectors),
+            5 => block(whole).run_columns::<V, 5, NV, SKIP>(vectors),
+            _ => unreachable!("ROWS is at most 6"),
         }
     }
 }
@@ -102,28 +138,32 @@ struct ValueBlock {
 }
 
 impl ValueBlock {
-    /// All `vectors` value vectors of the block's `MR` rows, `NV` at a time.
+    /// All `vectors` value vectors of the block's `MR` rows, `NV` at a time;
+    /// with `SKIP`, zero weights are skipped ([`ZeroWeights::Skip`]).
     ///
     /// # Safety
     /// The CPU has `V`'s instruction set; the block's `MR` rows and
     /// `vectors` value vectors are inside the matrices, as
     /// [`AccumulateValues`] checks.
     #[inline(always)]
-    unsafe fn run_columns<V: Vector, const MR: usize, const NV: usize>(self, vectors: usize) {
+    unsafe fn run_columns<V: Vector, const MR: usize, const NV: usize, const SKIP: bool>(
+        self,
+        vectors: usize,
+    ) {
         // SAFETY: the caller guarantees the instruction set and the sizes;
         // `c0 + W <= vectors` for every run below.
         unsafe {
             let mut c0 = 0;
             while c0 + NV <= vectors {
-                self.run::<V, MR, NV>(c0);
+                self.run::<V, MR, NV, SKIP>(c0);
                 c0 += NV;
             }
             // The last few value vectors, with a narrower register tile.
             match vectors - c0 {
                 0 => {}
-                1 => self.run::<V, MR, 1>(c0),
-                2 => self.run::<V, MR, 2>(c0),
-                3 => self.run::<V, MR, 3>(c0),
+                1 => self.run::<V, MR, 1, SKIP>(c0),
+                2 => self.run::<V, MR, 2, SKIP>(c0),
+                3 => self.run::<V, MR, 3, SKIP>(c0),
                 _ => unreachable!("NV is at most 4"),
             }
         }
@@ -134,7 +174,7 @@ impl ValueBlock {
     /// # Safety
     /// As [`ValueBlock::run_columns`], for these rows and vectors.
     #[inline(always)]
-    unsafe fn run<V: Vector, const MR: usize, const W: usize>(self, c0: usize) {
+    unsafe fn run<V: Vector, const MR: usize, const W: usize, const SKIP: bool>(self, c0: usize) {
         // SAFETY: the caller guarantees the instruction set, and that these
         // rows, keys and value vectors are inside the matrices.
         unsafe {
@@ -151,7 +191,13 @@ impl ValueBlock {
                 }
                 let v_vectors: [V; W] = std::array::from_fn(|c| V::load(v_row.add(c * V::LANES)));
                 for (r, acc_row) in acc.iter_mut().enumerate() {
-                    let weight = V::splat(self.p.at(r, j));
+                    let weight = self.p.at(r, j);
+                    // Skipping adds what `0·v` would for a finite `v`:
+                    // nothing (the sum starts at +0 and never becomes −0).
+                    if SKIP && weight == 0.0 {
+                        continue;
+                    }
+                    let weight = V::splat(weight);
                     for (x, &vv) in acc_row.iter_mut().zip(&v_vectors) {
                         *x = weight.mul_add(vv, *x);
                     }

@@ -162,6 +162,151 @@ fn scores_that_overflow_f32_give_non_finite_rows_not_zeros() {
 }
 
 #[test]
+fn a_product_that_overflows_towards_minus_infinity_beside_finite_scores_gives_nan() {
+    // Key 0's score is 1e20·(−2e19) + 1e20·3e19 = +1e39 exactly, but a sum
+    // in f32 that takes the first term first overflows to −inf, which would
+    // silently give key 0 weight 0 and the row the other keys' average.
+    // Decode (1 row) and packed (40 rows) shapes.
+    for len_q in [1, 40] {
+        let mut q = Array4::<f64>::zeros((1, 1, len_q, 16));
+        q.slice_mut(s![.., .., .., ..2]).fill(1e20);
+        let mut k = data((1, 1, 70, 16), 2).mapv(|x| x * 1e-20);
+        k[[0, 0, 0, 0]] = -2e19;
+        k[[0, 0, 0, 1]] = 3e19;
+        let v = data((1, 1, 70, 16), 3);
+        let (o32, o64) = (
+            AttentionOptions::new().scale(1.0),
+            AttentionOptions::new().scale(1.0),
+        );
+        for (path, out) in every_path(&q, &k, &v, &o32, &o64) {
+            if path == "core f64" {
+                // Key 0 outweighs the rest entirely: its values.
+                for i in 0..len_q {
+                    for c in 0..16 {
+                        assert_eq!(out[[0, 0, i, c]], v[[0, 0, 0, c]], "{path}");
+                    }
+                }
+            } else {
+                assert!(
+                    out.iter().all(|x| x.is_nan()),
+                    "{path} (len_q {len_q}): {out}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_scale_of_zero_gives_the_average_of_the_values_even_when_q_k_overflows() {
+    // q·k = 16·1e40 overflows f32, but the scale multiplies q first on
+    // every path: the scores are 0, never 0·inf.
+    for len_q in [1, 40] {
+        let q = Array4::<f64>::from_elem((1, 1, len_q, 16), 1e20);
+        let k = Array4::<f64>::from_elem((1, 1, 7, 16), 1e20);
+        let v = data((1, 1, 7, 16), 3);
+        let (o32, o64) = (
+            AttentionOptions::new().scale(0.0),
+            AttentionOptions::new().scale(0.0),
+        );
+        let mean = v.mean_axis(Axis(2)).unwrap();
+        for (path, out) in every_path(&q, &k, &v, &o32, &o64) {
+            for i in 0..len_q {
+                for c in 0..16 {
+                    let (got, want) = (out[[0, 0, i, c]], mean[[0, 0, c]]);
+                    assert!((got - want).abs() < 1e-6, "{path}: {got} vs {want}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn keys_that_all_score_minus_infinity_give_nan_with_lse_minus_infinity_and_merge_as_nothing() {
+    // Keys 0..5 hold −inf where every query holds 0.5: their scores are
+    // −inf (from the data, not a bias); keys 5..9 score finitely. Keys
+    // 0..5 alone: NaN output, log-sum-exp −inf (no weight at all). All
+    // nine: weight 0 for the first five. So a shard holding only the −inf
+    // keys merges as nothing, and the merge equals the unsplit call.
+    for len_q in [1, 40] {
+        let mut q = data((1, 1, len_q, 16), 1);
+        q.slice_mut(s![.., .., .., 0]).fill(0.5);
+        let mut k = data((1, 1, 9, 16), 2);
+        k.slice_mut(s![.., .., ..5, 0]).fill(f64::NEG_INFINITY);
+        let v = data((1, 1, 9, 16), 3);
+        let (q32, k32, v32) = (f32s(&q), f32s(&k), f32s(&v));
+        let mut paths: Vec<(String, PartialFn)> = available_kernel_sets()
+            .into_iter()
+            .map(|set| {
+                let (q, k, v) = (q32.clone(), k32.clone(), v32.clone());
+                let call: PartialFn = Box::new(move |keys, shard| {
+                    let opts = AttentionOptions::new();
+                    let opts = match shard {
+                        Some(offset) => opts.key_shard(offset, 9),
+                        None => opts,
+                    };
+                    let keys = s![.., .., keys, ..];
+                    let partial = on(set, || {
+                        sdpa::scaled_dot_product_attention_partial(
+                            q.view(),
+                            k.slice(keys),
+                            v.slice(keys),
+                            &opts,
+                        )
+                    })
+                    .expect("a valid call");
+                    AttentionPartial::from_parts(
+                        partial.output().mapv(f64::from),
+                        partial.log_sum_exp().mapv(f64::from),
+                    )
+                    .unwrap()
+                });
+                (format!("fused {set}"), call)
+            })
+            .collect();
+        let (q64, k64, v64) = (q.clone(), k.clone(), v.clone());
+        paths.push((
+            "core f64".into(),
+            Box::new(move |keys, shard| {
+                let opts = AttentionOptions::new();
+                let opts = match shard {
+                    Some(offset) => opts.key_shard(offset, 9),
+                    None => opts,
+                };
+                let keys = s![.., .., keys, ..];
+                sdpa::scaled_dot_product_attention_partial(
+                    q64.view(),
+                    k64.slice(keys),
+                    v64.slice(keys),
+                    &opts,
+                )
+                .expect("a valid call")
+            }),
+        ));
+        for (path, partial) in &paths {
+            let alone = partial(0..5, None);
+            assert!(alone.output().iter().all(|x| x.is_nan()), "{path}");
+            assert!(
+                alone.log_sum_exp().iter().all(|&x| x == f64::NEG_INFINITY),
+                "{path}"
+            );
+            let whole = partial(0..9, None);
+            assert!(whole.output().iter().all(|x| x.is_finite()), "{path}");
+            for order in [[0, 1], [1, 0]] {
+                let shards = [partial(0..5, Some(0)), partial(5..9, Some(5))];
+                let merged = AttentionPartial::merge_all(order.map(|n| shards[n].clone())).unwrap();
+                for (a, b) in merged.output().iter().zip(whole.output()) {
+                    assert!((a - b).abs() < 1e-6, "{path}: merged {a}, unsplit {b}");
+                }
+            }
+        }
+    }
+}
+
+/// A partial call over keys `keys` (with `Some(offset)`: as a shard of
+/// all nine), its result in `f64`.
+type PartialFn = Box<dyn Fn(std::ops::Range<usize>, Option<usize>) -> AttentionPartial<f64>>;
+
+#[test]
 fn a_row_hidden_entirely_by_a_minus_infinity_bias_is_zero() {
     let (q, k, v) = (
         data((1, 1, 2, 16), 1),

@@ -8,7 +8,9 @@ pub(super) const HUGE_CHILD: &str = "SDPA_FUZZ_HUGE_CASE";
 /// (so the inputs are tiny): `len_q`, batch, heads or `d_v` of 2^60 (an
 /// output of 2^62 bytes or more: no machine maps that) or 2^62 (past
 /// `isize::MAX` bytes), and `attention_weights` of 2^30 × 2^30. Every path
-/// must return the same `Err`: never panic, never abort the process.
+/// must return an `Err`, never panic, never abort the process: `TooLarge`
+/// when the result's bytes in that element type pass `isize::MAX` (then
+/// no allocation is even tried), `OutOfMemory` when they do not.
 pub(super) const HUGE_CASES: &[(&str, [usize; 4], [usize; 4], usize)] = &[
     // (name, q shape, k shape, d_v); v is k's shape with d_v columns.
     (
@@ -117,13 +119,15 @@ pub(super) fn huge_case(index: usize) {
         AttentionOptions::<f32>::new(),
         AttentionOptions::<f64>::new(),
     );
-    let mut outcomes: Vec<(String, Result<Option<ErrorKind>, String>)> = Vec::new();
+    // (path, element size in bytes, outcome)
+    let mut outcomes: Vec<(String, usize, Result<Option<ErrorKind>, String>)> = Vec::new();
     let weights = name.starts_with("attention_weights");
     for set in available_kernel_sets() {
         if !weights {
             println!("huge: {name}: fused {set}");
             outcomes.push((
                 format!("fused {set}"),
+                4,
                 outcome(&guarded(|| {
                     forced(set, || {
                         sdpa::scaled_dot_product_attention(q32, k32, v32, &o32)
@@ -132,6 +136,7 @@ pub(super) fn huge_case(index: usize) {
             ));
             outcomes.push((
                 format!("fused {set} partial"),
+                4,
                 outcome(&guarded(|| {
                     forced(set, || {
                         sdpa::scaled_dot_product_attention_partial(q32, k32, v32, &o32)
@@ -144,35 +149,50 @@ pub(super) fn huge_case(index: usize) {
     if weights {
         outcomes.push((
             "core f32 attention_weights".into(),
+            4,
             outcome(&guarded(|| sdpa::core::attention_weights(q32, k32, &o32))),
         ));
         outcomes.push((
             "core f64 attention_weights".into(),
+            8,
             outcome(&guarded(|| sdpa::core::attention_weights(q64, k64, &o64))),
         ));
     } else {
         outcomes.push((
             "core f32".into(),
+            4,
             outcome(&guarded(|| {
                 sdpa::core::scaled_dot_product_attention(q32, k32, v32, &o32)
             })),
         ));
         outcomes.push((
             "core f64".into(),
+            8,
             outcome(&guarded(|| {
                 sdpa::core::scaled_dot_product_attention(q64, k64, v64, &o64)
             })),
         ));
     }
     println!("huge: {name}: {outcomes:?}");
-    let panics: Vec<_> = outcomes.iter().filter(|(_, o)| o.is_err()).collect();
-    assert!(panics.is_empty(), "huge: {name}: panics {panics:?}");
+    // The elements of the result: the output, or the weights matrix.
+    let elements = [
+        q_shape[0],
+        q_shape[1],
+        q_shape[2],
+        if weights { k_shape[2] } else { d_v },
+    ]
+    .iter()
+    .try_fold(1usize, |n, &len| n.checked_mul(len));
+    let expected = |size: usize| match elements.and_then(|n| n.checked_mul(size)) {
+        Some(bytes) if bytes <= isize::MAX as usize => ErrorKind::OutOfMemory,
+        _ => ErrorKind::TooLarge,
+    };
+    let wrong: Vec<_> = outcomes
+        .iter()
+        .filter(|(_, size, o)| *o != Ok(Some(expected(*size))))
+        .collect();
     assert!(
-        outcomes.iter().all(|(_, o)| matches!(o, Ok(Some(_)))),
-        "huge: {name}: not every path returned Err: {outcomes:?}"
-    );
-    assert!(
-        outcomes.windows(2).all(|w| w[0].1 == w[1].1),
-        "huge: {name}: kinds differ: {outcomes:?}"
+        wrong.is_empty(),
+        "huge: {name}: not the expected error (TooLarge past isize::MAX bytes, else OutOfMemory): {wrong:?}"
     );
 }

@@ -5,9 +5,10 @@ use super::*;
 
 /// The answer in `f64`, computed here with loops from the README's
 /// semantics: invisible keys are skipped; a `−inf` bias gives weight 0 and
-/// its value is never multiplied in; a row with no key of weight is zeros
-/// with log-sum-exp `−inf`; a NaN or `+inf` score makes the row NaN; a
-/// non-finite value of a key of weight reaches its column.
+/// its value is never multiplied in; a row with no unhidden visible key is
+/// zeros with log-sum-exp `−inf`, one whose unhidden visible scores are all
+/// `−inf` NaN with log-sum-exp `−inf`; a NaN or `+inf` score makes the row
+/// NaN; a non-finite value of a key of weight reaches its column.
 pub(super) struct Reference {
     pub(super) out: Array4<f64>,
     pub(super) lse: Array3<f64>,
@@ -70,7 +71,13 @@ pub(super) fn oracle(case: &Case, vis: &Visibility) -> Reference {
                 m.max(s)
             }
         });
+        if scores.is_empty() {
+            continue; // no visible key, or all hidden by a −inf bias: zeros
+        }
         if max == f64::NEG_INFINITY {
+            // Every unhidden visible score −inf from the data: a sum of
+            // weights of 0, so NaN out and log-sum-exp −inf.
+            out.slice_mut(s![b, h, i, ..]).fill(f64::NAN);
             continue;
         }
         if !max.is_finite() {
@@ -256,6 +263,11 @@ pub(super) fn check_forward(
             }
         }
         if ambiguous {
+            continue;
+        }
+        // A row whose unhidden keys all scored −inf (NaN, log-sum-exp −inf)
+        // was checked above.
+        if want_lse == f64::NEG_INFINITY && want.iter().any(|w| w.is_nan()) {
             continue;
         }
         if want_lse == f64::NEG_INFINITY {
