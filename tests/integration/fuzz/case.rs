@@ -605,13 +605,17 @@ impl CaseShapes {
             }
             8 => {
                 let mut shape = self.mask.unwrap_or(full);
-                shape[rng.below(4)] += 2;
+                let axis = rng.below(4);
+                // A length that is neither 1 nor the full one.
+                shape[axis] += if shape[axis] + 2 == full[axis] { 3 } else { 2 };
                 self.mask = Some(shape);
                 NotBroadcastable
             }
             9 => {
                 let mut shape = self.bias.unwrap_or(full);
-                shape[rng.below(4)] += 2;
+                let axis = rng.below(4);
+                // A length that is neither 1 nor the full one.
+                shape[axis] += if shape[axis] + 2 == full[axis] { 3 } else { 2 };
                 self.bias = Some(shape);
                 NotBroadcastable
             }
