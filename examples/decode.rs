@@ -2,6 +2,11 @@
 //! KV cache, in GB/s of keys and values read, in the format of the peers'
 //! `py_decode.py` (which also prints the machine's copy bandwidth).
 //!
+//! The header names the CPU; each line also gives the rate at which one
+//! thread streams the same number of bytes with the same kernel set
+//! ([`sdpa::simd::read_rate`]), measured just before, and decoding's
+//! fraction of it: the floor of a memory-bound call.
+//!
 //! ```text
 //! cargo run --release --example decode
 //! RAYON_NUM_THREADS=1 H=32 D=128 cargo run --release --example decode -- 4096 16384
@@ -11,7 +16,10 @@ use std::time::Instant;
 
 use ndarray::Array4;
 use sdpa::AttentionOptions;
-use sdpa::simd::{KernelSet, available_kernel_sets};
+use sdpa::simd::{KernelSet, available_kernel_sets, read_rate};
+
+#[path = "support/machine.rs"]
+mod machine;
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -54,6 +62,7 @@ fn main() {
         .into_iter()
         .filter(|&set| set != KernelSet::Scalar)
         .collect();
+    println!("{}", machine::cpu_model());
     for &len_kv in &lengths {
         let q = Array4::<f32>::from_shape_fn((1, heads, 1, d), |(_, h, _, c)| {
             ((h * 7 + c) % 13) as f32 / 13.0 - 0.5
@@ -65,7 +74,10 @@ fn main() {
         let mut out = Array4::<f32>::zeros((1, heads, 1, d));
         let bytes = (k.len() + v.len()) as f64 * 4.0;
         print!("decode H={heads} d={d} S={len_kv}:");
+        // The streaming read of as many bytes, from a buffer of its own.
+        let stream = vec![1.0_f32; k.len() + v.len()];
         for &set in &sets {
+            let read = read_rate(set, &stream, 7).expect("an available kernel set");
             let opts = AttentionOptions::new().causal();
             let seconds = median_seconds_on(set, || {
                 sdpa::scaled_dot_product_attention_into(
@@ -77,10 +89,11 @@ fn main() {
                 )
                 .expect("valid shapes");
             });
+            let rate = bytes / seconds / 1e9;
             print!(
-                "  sdpa_{set} {:.1} GB/s ({:.2} ms)",
-                bytes / seconds / 1e9,
-                seconds * 1e3
+                "  sdpa_{set} {rate:.1} GB/s ({:.2} ms; read {read:.1} GB/s, {:.0}%)",
+                seconds * 1e3,
+                100.0 * rate / read
             );
         }
         println!();

@@ -11,12 +11,20 @@
 //! forward's FLOPs, as `../shared/peers/py_backward.py` counts torch's. Each
 //! cell is the median of repeated calls (at least 5, at least 0.3 s). The
 //! thread count is rayon's (`RAYON_NUM_THREADS`).
+//!
+//! The header names the CPU and each kernel set's measured one-thread FMA
+//! peak ([`sdpa::simd::fma_peak`]); each cell is followed by its fraction
+//! of that peak (per thread: with `RAYON_NUM_THREADS=2` the fraction is of
+//! two cores' peak).
 
 use std::time::{Duration, Instant};
 
 use ndarray::Array4;
 use sdpa::AttentionOptions;
-use sdpa::simd::{KernelSet, available_kernel_sets};
+use sdpa::simd::{KernelSet, available_kernel_sets, fma_peak};
+
+#[path = "support/machine.rs"]
+mod machine;
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -65,10 +73,25 @@ fn main() {
     } else {
         "forward"
     };
-    println!("sdpa {what} B={batch} H={heads} d={d} f32; GFLOP/s (median)");
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|t| t.parse::<usize>().ok())
+        .filter(|&t| t > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
+    println!("{}", machine::cpu_model());
+    let peaks: Vec<f64> = sets
+        .iter()
+        .map(|&set| fma_peak(set).expect("an available kernel set"))
+        .collect();
+    for (set, peak) in sets.iter().zip(&peaks) {
+        println!("{set}: FMA peak {peak:.1} GFLOP/s per thread (measured now)");
+    }
+    println!(
+        "sdpa {what} B={batch} H={heads} d={d} f32, {threads} thread(s); GFLOP/s (median, % of peak)"
+    );
     print!("{:>6} {:>6}", "N", "causal");
     for set in &sets {
-        print!(" {:>12}", format!("sdpa_{set}"));
+        print!(" {:>18}", format!("sdpa_{set}"));
     }
     println!();
     for &n in &sizes {
@@ -81,7 +104,7 @@ fn main() {
             let flops = 4.0 * (batch * heads * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };
             let flops = if backward { 3.5 * flops } else { flops };
             print!("{n:>6} {:>6}", if causal { "yes" } else { "no" });
-            for &set in &sets {
+            for (&set, peak) in sets.iter().zip(&peaks) {
                 let opts = AttentionOptions::new();
                 let opts = if causal { opts.causal() } else { opts };
                 let seconds = if backward {
@@ -116,7 +139,9 @@ fn main() {
                         .expect("valid shapes");
                     })
                 };
-                print!(" {:>12.1}", flops / seconds / 1e9);
+                let rate = flops / seconds / 1e9;
+                let percent = 100.0 * rate / (peak * threads as f64);
+                print!(" {:>11.1} ({percent:>3.0}%)", rate);
             }
             println!();
         }

@@ -13,6 +13,7 @@
 //! | `softmax.rs` | the online-softmax row pass; the backward's shifted `exp` |
 //! | `values.rs` | `O ← α·O + P·V` |
 //! | `layout.rs` | rows and strided weights read in place; prefetching |
+//! | `probe.rs` | [`fma_peak`] and [`read_rate`]: this core's limits, for benchmarks |
 //!
 //! Each instruction set has a file that implements `Vector` for its register
 //! type and `Kernel` for a kernel type, with its register tile sizes and one
@@ -47,6 +48,7 @@ use crate::error::{AttentionError, ErrorKind};
 mod exp;
 mod kernel;
 mod layout;
+mod probe;
 mod scalar;
 mod scores;
 mod softmax;
@@ -61,6 +63,7 @@ mod avx512;
 mod neon;
 
 pub(crate) use kernel::Kernel;
+pub use probe::{fma_peak, read_rate};
 pub(crate) use values::ZeroWeights;
 
 /// One set of hand-vectorized kernels, named by the instruction set it needs.
