@@ -52,8 +52,9 @@ impl PackedHead {
         let panels = element_count::<f32>("packed keys", &[padded_keys, panel_width])?;
         let rows = element_count::<f32>("packed values", &[padded_keys, row_width])?;
         Ok(Self {
-            panels: Scratch::zeroed("packed keys", panels)?,
-            rows: Scratch::zeroed("packed values", rows)?,
+            // `pack` writes every entry, padding included.
+            panels: Scratch::for_writing("packed keys", panels)?,
+            rows: Scratch::for_writing("packed values", rows)?,
             row_width,
             panels_max_abs: 0.0,
             tile_has_nonfinite_rows: try_filled("packed values", tiles, false)?,
@@ -61,8 +62,8 @@ impl PackedHead {
     }
 
     /// Packs `for_panels` `[len_kv, panel_width]` and `for_rows`
-    /// `[len_kv, row_width]`; padding stays zero from `new`, since every
-    /// head writes the same places.
+    /// `[len_kv, row_width]`, and writes zeros to the padding (the buffers
+    /// may hold anything before).
     pub(crate) fn pack<K: Kernel>(
         &mut self,
         for_panels: ArrayView2<'_, f32>,
@@ -88,6 +89,16 @@ impl PackedHead {
             };
             self.panels_max_abs = self.panels_max_abs.max(key_max_abs);
         }
+        let len_kv = for_panels.nrows();
+        let padded_keys = self.panels.len().checked_div(width).unwrap_or(0);
+        for j in len_kv..padded_keys {
+            let column = &mut self.panels[(j / panel) * panel * width + j % panel..];
+            column
+                .iter_mut()
+                .step_by(panel)
+                .take(width)
+                .for_each(|x| *x = 0.0);
+        }
         self.tile_has_nonfinite_rows.fill(false);
         if self.row_width == 0 {
             return; // `d_v = 0`: a forward for the log-sum-exp alone.
@@ -105,11 +116,13 @@ impl PackedHead {
                     .zip(row.iter())
                     .for_each(|(packed, &x)| *packed = x),
             }
+            packed[row.len()..].fill(0.0);
             // Not `all`: without an early exit the check vectorizes.
             if !packed.iter().fold(true, |finite, x| finite & x.is_finite()) {
                 self.tile_has_nonfinite_rows[j / KEY_TILE] = true;
             }
         }
+        self.rows[len_kv * self.row_width..].fill(0.0);
     }
 
     /// The rows of the key tile starting at `j0`, `[KEY_TILE, row_width]`.

@@ -189,8 +189,11 @@ impl QueryTile {
     ) -> Result<Self, AttentionError> {
         let rows = rows.div_ceil(K::ROWS) * K::ROWS;
         let value_width = shape.d_v.div_ceil(K::LANES) * K::LANES;
+        // Every buffer is written before it is read: `attend` loads the
+        // queries (zeroing padding rows) and fills `o`, `max` and `sum`;
+        // the kernels and masks write every score of the computed rows.
         let buffer =
-            |len: Option<usize>| Scratch::zeroed("a query tile", len.unwrap_or(usize::MAX));
+            |len: Option<usize>| Scratch::for_writing("a query tile", len.unwrap_or(usize::MAX));
         Ok(Self {
             q: buffer(rows.checked_mul(shape.d_k))?,
             scores: buffer(Some(rows * KEY_TILE))?,
@@ -272,7 +275,8 @@ impl QueryTile {
     fn load_queries(&mut self, call: &Call<'_, f32>, at: &TilePosition, rows: usize) {
         let d_k = call.shape.d_k;
         let q_head = crate::call::head(&call.q, at.b, at.h);
-        self.q[..rows * d_k].fill(0.0);
+        // Padding rows are zero: their scores are computed and dropped.
+        self.q[at.rows.min(rows) * d_k..rows * d_k].fill(0.0);
         for (query, packed) in q_head
             .rows()
             .into_iter()
