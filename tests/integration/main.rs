@@ -17,6 +17,7 @@ mod mask_rank;
 mod partials;
 mod properties;
 mod reliability;
+mod rope;
 mod semantics;
 mod sequence;
 mod threads;
