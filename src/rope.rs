@@ -581,11 +581,10 @@ fn rotate_slice<F: Element, const INVERSE: bool>(
             }
         }
         RopeLayout::Interleaved => {
-            for ((pair, &c), &s) in features.chunks_exact_mut(2).zip(cos).zip(sin) {
+            let (pairs, _) = features.as_chunks_mut::<2>();
+            for (([x, y], &c), &s) in pairs.iter_mut().zip(cos).zip(sin) {
                 let s = if INVERSE { -s } else { s };
-                let (x, y) = (pair[0], pair[1]);
-                pair[0] = x * c - y * s;
-                pair[1] = y * c + x * s;
+                (*x, *y) = (*x * c - *y * s, *y * c + *x * s);
             }
         }
     }
