@@ -268,14 +268,13 @@ fn to_rank_4<'a, T, D: Dimension>(
     name: &str,
     view: ArrayView<'a, T, D>,
 ) -> (Option<ArrayView4<'a, T>>, Given) {
-    let (rank, shape) = (view.ndim(), view.shape().to_vec());
-    let too_many = || {
+    let rank = view.ndim();
+    let too_many = |shape: &[usize]| {
         let error = AttentionError::new(
             ErrorKind::NotBroadcastable,
             format!(
-                "{name} has shape {:?} of rank {rank}, which does not broadcast to \
-                 [batch, heads, len_q, len_kv]: a mask or bias has rank 4 or less",
-                shape
+                "{name} has shape {shape:?} of rank {rank}, which does not broadcast to \
+                 [batch, heads, len_q, len_kv]: a mask or bias has rank 4 or less"
             ),
         );
         (
@@ -287,15 +286,16 @@ fn to_rank_4<'a, T, D: Dimension>(
         )
     };
     if rank > 4 {
-        return too_many();
+        return too_many(view.shape());
     }
+    // No allocation: a dynamic dimension of rank 4 or less is stored inline.
     let mut padded = view.into_dyn();
     while padded.ndim() < 4 {
         padded.insert_axis_inplace(Axis(0));
     }
     match padded.into_dimensionality::<Ix4>() {
         Ok(padded) => (Some(padded), Given { rank, error: None }),
-        Err(_) => too_many(),
+        Err(_) => too_many(&[]),
     }
 }
 
