@@ -112,12 +112,17 @@ pub(crate) fn check<'a, F: Element>(
         Some(shard) => shard.total_len_kv,
         None => shape.len_kv,
     };
+    for given in [&opts.keep_mask_given, &opts.bias_given] {
+        if let Some(error) = &given.error {
+            return Err(error.clone());
+        }
+    }
     let full = [shape.batch, shape.heads, shape.len_q, total_len_kv];
     if let Some(mask) = &opts.keep_mask {
-        check_broadcast("keep_mask", mask.shape(), &full)?;
+        check_broadcast("keep_mask", mask.shape(), opts.keep_mask_given.rank, &full)?;
     }
     if let Some(bias) = &opts.bias {
-        check_broadcast("bias", bias.shape(), &full)?;
+        check_broadcast("bias", bias.shape(), opts.bias_given.rank, &full)?;
     }
     if let Some(lengths) = opts.key_lengths {
         if lengths.len() != shape.batch {
@@ -288,19 +293,32 @@ pub(crate) fn check_backward<'a, F: Element>(
     })
 }
 
-fn check_broadcast(name: &str, got: &[usize], full: &[usize; 4]) -> Result<(), AttentionError> {
+/// Checks that `got` (a mask or bias given in rank `given_rank`, padded on
+/// the left to rank 4) broadcasts to `full`.
+fn check_broadcast(
+    name: &str,
+    got: &[usize],
+    given_rank: usize,
+    full: &[usize; 4],
+) -> Result<(), AttentionError> {
     let fits = got.iter().zip(full).all(|(&g, &f)| g == f || g == 1);
     if fits {
-        Ok(())
-    } else {
-        Err(AttentionError::new(
-            ErrorKind::NotBroadcastable,
-            format!(
-                "{name} has shape {got:?}, which does not broadcast to \
-                 [batch, heads, len_q, len_kv] = {full:?} (each dimension must match or be 1)"
-            ),
-        ))
+        return Ok(());
     }
+    // Name the shape as the caller gave it, and the padding if any.
+    let given = &got[4 - given_rank.min(4)..];
+    let padded = if given_rank < 4 {
+        format!(" (rank {given_rank}, broadcast from the right as {got:?})")
+    } else {
+        String::new()
+    };
+    Err(AttentionError::new(
+        ErrorKind::NotBroadcastable,
+        format!(
+            "{name} has shape {given:?}{padded}, which does not broadcast to \
+             [batch, heads, len_q, len_kv] = {full:?} (each dimension must match or be 1)"
+        ),
+    ))
 }
 
 /// The `[len, d]` matrix of batch item `b`, head `h`.

@@ -22,6 +22,9 @@ pub enum ErrorKind {
     KeyLengths,
     /// A scale or other scalar option is not finite.
     InvalidOption,
+    /// Rotary positions do not match the tensor (one per token, one start
+    /// per batch item, `[batch, len]`), or one is past the rotary table.
+    Positions,
     /// A requested kernel set is unknown or not supported by this CPU.
     UnsupportedKernel,
     /// A result or working buffer would have more elements or bytes than

@@ -21,6 +21,7 @@ mod mask;
 mod options;
 mod parallel;
 mod partial;
+mod rope;
 mod sequence;
 #[allow(unsafe_code)]
 pub mod simd;
@@ -36,6 +37,10 @@ pub use layer::{
 };
 pub use options::{AttentionOptions, CausalAlignment};
 pub use partial::AttentionPartial;
+pub use rope::{
+    RopeLayout, RopePositions, RopeTable, apply_rope, apply_rope_backward,
+    apply_rope_backward_inplace, apply_rope_backward_into, apply_rope_inplace, apply_rope_into,
+};
 pub use sequence::{simple_self_attention, single_sequence_attention};
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + bias, masked)·V`.

@@ -3,7 +3,9 @@
 //! bias. A builder only: what the options mean for each query row is
 //! `mask.rs`'s business.
 
-use ndarray::ArrayView4;
+use ndarray::{ArrayView, ArrayView4, Axis, Dimension, Ix4};
+
+use crate::error::{AttentionError, ErrorKind};
 
 /// How a causal mask lines the queries up against the keys when
 /// `len_q != len_kv`.
@@ -68,6 +70,10 @@ pub struct AttentionOptions<'a, F> {
     pub(crate) key_lengths: Option<&'a [usize]>,
     pub(crate) window: Option<usize>,
     pub(crate) key_shard: Option<KeyShard>,
+    /// How the keep mask was given, for the call's check.
+    pub(crate) keep_mask_given: Given,
+    /// How the bias was given, for the call's check.
+    pub(crate) bias_given: Given,
 }
 
 impl<F> Default for AttentionOptions<'_, F> {
@@ -80,6 +86,8 @@ impl<F> Default for AttentionOptions<'_, F> {
             key_lengths: None,
             window: None,
             key_shard: None,
+            keep_mask_given: Given::default(),
+            bias_given: Given::default(),
         }
     }
 }
@@ -110,19 +118,60 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
         self
     }
 
-    /// Only keys whose entry is `true` may be attended to. The shape is
-    /// `[batch, heads, len_q, len_kv]`, where any dimension may be 1 to
+    /// Only keys whose entry is `true` may be attended to. The full shape
+    /// is `[batch, heads, len_q, len_kv]`, where any dimension may be 1 to
     /// broadcast (so `[batch, 1, 1, len_kv]` is a key-padding mask).
-    pub fn keep_mask(mut self, keep_mask: ArrayView4<'a, bool>) -> Self {
-        self.keep_mask = Some(keep_mask);
+    ///
+    /// A mask of lower rank is broadcast from the right, as PyTorch
+    /// broadcasts `attn_mask`: `[len_q, len_kv]` is shared by every batch
+    /// item and head, `[heads, len_q, len_kv]` by every batch item (ranks 0
+    /// and 1 work the same way). A rank above 4, or a shape that does not
+    /// broadcast, makes the call return an error
+    /// ([`ErrorKind::NotBroadcastable`]).
+    ///
+    /// ```
+    /// use ndarray::{Array2, Array4};
+    /// use sdpa::AttentionOptions;
+    ///
+    /// let x = Array4::<f64>::ones((2, 3, 4, 8));
+    /// // A torch-style [len_q, len_kv] mask: query i sees keys 0..=i.
+    /// let keep = Array2::from_shape_fn((4, 4), |(i, j)| j <= i);
+    /// let w = sdpa::core::attention_weights(x.view(), x.view(), &AttentionOptions::new().keep_mask(keep.view()))?;
+    /// let causal = sdpa::core::attention_weights(x.view(), x.view(), &AttentionOptions::new().causal())?;
+    /// assert_eq!(w, causal);
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn keep_mask<D: Dimension>(mut self, keep_mask: ArrayView<'a, bool, D>) -> Self {
+        let (mask, given) = to_rank_4("keep_mask", keep_mask);
+        (self.keep_mask, self.keep_mask_given) = (mask, given);
         self
     }
 
     /// Adds `bias` to the scaled scores before the softmax (ALiBi, relative
-    /// positions). Shape `[batch, heads, len_q, len_kv]`, broadcasting like
-    /// the keep mask. A `-inf` bias gives a visible key weight 0.
-    pub fn bias(mut self, bias: ArrayView4<'a, F>) -> Self {
-        self.bias = Some(bias);
+    /// positions). Full shape `[batch, heads, len_q, len_kv]`; it broadcasts
+    /// like the keep mask, lower ranks from the right (`[len_q, len_kv]`,
+    /// `[heads, len_q, len_kv]`). A `-inf` bias gives a visible key weight 0.
+    ///
+    /// ```
+    /// use ndarray::{Array1, Array4, Array3};
+    /// use sdpa::AttentionOptions;
+    ///
+    /// let x = Array4::<f64>::ones((1, 2, 3, 4));
+    /// // A [heads, len_q, len_kv] bias (ALiBi-like slopes), the same for every batch item.
+    /// let bias = Array3::from_shape_fn((2, 3, 3), |(h, i, j)| -((h + 1) as f64) * (i as f64 - j as f64).abs());
+    /// let w3 = sdpa::core::attention_weights(x.view(), x.view(), &AttentionOptions::new().bias(bias.view()))?;
+    /// let bias4 = bias.clone().insert_axis(ndarray::Axis(0));
+    /// let w4 = sdpa::core::attention_weights(x.view(), x.view(), &AttentionOptions::new().bias(bias4.view()))?;
+    /// assert_eq!(w3, w4);
+    /// // A vector is broadcast over the keys' axis too: one bias per key.
+    /// let per_key = Array1::from(vec![0.0, 0.0, f64::NEG_INFINITY]);
+    /// let w = sdpa::core::attention_weights(x.view(), x.view(), &AttentionOptions::new().bias(per_key.view()))?;
+    /// assert_eq!(w[[0, 1, 2, 2]], 0.0);
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn bias<D: Dimension>(mut self, bias: ArrayView<'a, F, D>) -> Self {
+        let (bias, given) = to_rank_4("bias", bias);
+        (self.bias, self.bias_given) = (bias, given);
         self
     }
 
@@ -188,7 +237,65 @@ impl<F: Copy> AttentionOptions<'_, F> {
             key_lengths: self.key_lengths,
             window: self.window,
             key_shard: self.key_shard,
+            keep_mask_given: self.keep_mask_given.clone(),
+            bias_given: self.bias_given.clone(),
         }
+    }
+}
+
+/// How a keep mask or bias was given: its rank before axes of length 1
+/// were added on the left, and the error to report if it cannot be used
+/// (the builder cannot fail, so the call reports it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Given {
+    pub rank: usize,
+    pub error: Option<AttentionError>,
+}
+
+impl Default for Given {
+    fn default() -> Self {
+        Self {
+            rank: 4,
+            error: None,
+        }
+    }
+}
+
+/// `view` of rank 4 or less as a rank-4 view, with axes of length 1 added
+/// on the left: PyTorch's broadcasting from the right. A higher rank gives
+/// no view and the error to report.
+fn to_rank_4<'a, T, D: Dimension>(
+    name: &str,
+    view: ArrayView<'a, T, D>,
+) -> (Option<ArrayView4<'a, T>>, Given) {
+    let rank = view.ndim();
+    let too_many = |shape: &[usize]| {
+        let error = AttentionError::new(
+            ErrorKind::NotBroadcastable,
+            format!(
+                "{name} has shape {shape:?} of rank {rank}, which does not broadcast to \
+                 [batch, heads, len_q, len_kv]: a mask or bias has rank 4 or less"
+            ),
+        );
+        (
+            None,
+            Given {
+                rank,
+                error: Some(error),
+            },
+        )
+    };
+    if rank > 4 {
+        return too_many(view.shape());
+    }
+    // No allocation: a dynamic dimension of rank 4 or less is stored inline.
+    let mut padded = view.into_dyn();
+    while padded.ndim() < 4 {
+        padded.insert_axis_inplace(Axis(0));
+    }
+    match padded.into_dimensionality::<Ix4>() {
+        Ok(padded) => (Some(padded), Given { rank, error: None }),
+        Err(_) => too_many(&[]),
     }
 }
 
