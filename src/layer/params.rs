@@ -56,25 +56,25 @@ const PROJECTIONS: [Projection; 4] = [
         weight: "w_q",
         bias: "b_q",
         layout: "[d_model, heads·d_k]",
-        shape: |c| Some((c.d_model, c.heads * c.d_k)),
+        shape: |c| Some((c.d_model, c.heads * c.d_k())),
     },
     Projection {
         weight: "w_k",
         bias: "b_k",
         layout: "[d_model_kv, kv_heads·d_k]",
-        shape: |c| Some((c.kv_input_width(), c.kv_heads * c.d_k)),
+        shape: |c| Some((c.kv_input_width(), c.kv_heads * c.d_k())),
     },
     Projection {
         weight: "w_v",
         bias: "b_v",
         layout: "[d_model_kv, kv_heads·d_v]",
-        shape: |c| Some((c.kv_input_width(), c.kv_heads * c.d_v)),
+        shape: |c| Some((c.kv_input_width(), c.kv_heads * c.d_v())),
     },
     Projection {
         weight: "w_o",
         bias: "b_o",
         layout: "[heads·d_v, d_model_out]",
-        shape: |c| c.d_model_out.map(|width| (c.heads * c.d_v, width)),
+        shape: |c| c.d_model_out.map(|width| (c.heads * c.d_v(), width)),
     },
 ];
 
@@ -180,7 +180,7 @@ impl<F> LayerParameters<F> {
     /// ```
     /// use sdpa::{Attention, AttentionConfig};
     ///
-    /// let config = AttentionConfig::new(8, 4, 4).with_heads(2).with_output_projection(8);
+    /// let config = AttentionConfig::new(8, 2).with_output_projection(8);
     /// let layer = Attention::<f32>::new_seeded(config, 0)?;
     /// let names: Vec<_> = layer.parameters().iter().map(|(name, _)| name).collect();
     /// assert_eq!(names, ["w_q", "w_k", "w_v", "w_o"]);
@@ -358,8 +358,9 @@ mod tests {
 
     /// A config whose every parameter has a shape no other has.
     fn distinct() -> AttentionConfig {
-        AttentionConfig::new(2, 3, 5)
-            .with_heads(4)
+        AttentionConfig::new(2, 4)
+            .with_head_dim(3)
+            .with_value_dim(5)
             .with_kv_heads(2)
             .with_d_model_kv(7)
             .with_output_projection(11)
