@@ -33,6 +33,9 @@ mod config;
 mod decode;
 mod forward;
 mod init;
+mod layouts;
+#[cfg(feature = "safetensors")]
+mod load;
 mod params;
 mod project;
 mod train;
@@ -40,6 +43,7 @@ mod train;
 use ndarray::{Array2, ArrayViewMutD};
 
 pub use config::AttentionConfig;
+pub use layouts::TorchLinear;
 pub use params::LayerParameters;
 pub use train::{ForwardCache, LayerGradients};
 

@@ -1021,7 +1021,7 @@ fn multi_head_empty_inputs_are_valid() {
     let x_q = Array3::<f32>::ones((2, 3, 4));
     let no_keys = Array3::<f32>::zeros((2, 0, 5));
     let y = layer.forward_cross(x_q.view(), no_keys.view()).unwrap();
-    assert_eq!(y, Array3::zeros((2, 3, 6)));
+    assert_eq!(y, Array3::<f32>::zeros((2, 3, 6)));
 }
 
 // --- multi-head errors, one test per case -----------------------------------
