@@ -182,7 +182,7 @@ impl<F: Element> Attention<F> {
     /// assert_eq!(layer.config().heads, 2);
     ///
     /// // The same parameters do not fit three heads of width 2.
-    /// let err = Attention::new(config.with_heads(3), parameters).unwrap_err();
+    /// let err = Attention::new(config.with_heads(3).with_head_dim(2), parameters).unwrap_err();
     /// assert_eq!(err.kind(), ErrorKind::ShapeMismatch);
     /// assert!(err.to_string().contains("w_q"));
     /// # Ok::<(), sdpa::AttentionError>(())
@@ -295,7 +295,7 @@ impl<F: Element> CausalAttention<F> {
     /// let layer = CausalAttention::new(config, parameters.clone())?;
     /// assert_eq!(layer.config().heads, 2);
     ///
-    /// let err = CausalAttention::new(config.with_heads(3), parameters).unwrap_err();
+    /// let err = CausalAttention::new(config.with_heads(3).with_head_dim(2), parameters).unwrap_err();
     /// assert_eq!(err.kind(), ErrorKind::ShapeMismatch);
     /// assert!(err.to_string().contains("w_q"));
     /// # Ok::<(), sdpa::AttentionError>(())
