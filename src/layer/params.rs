@@ -106,7 +106,7 @@ const PROJECTIONS: [Projection; 4] = [
 /// [`from_torch_multihead_attention`](Self::from_torch_multihead_attention),
 /// [`from_gpt2_conv1d`](Self::from_gpt2_conv1d), and, with the feature
 /// `safetensors`, their `load_*` forms that read a
-/// [`Checkpoint`](crate::Checkpoint) by tensor name.
+/// `Checkpoint` by tensor name.
 ///
 /// Head `h` owns columns `h·d_k .. (h+1)·d_k` of `W^Q` (and likewise for
 /// the others), as in those frameworks. A model without a bias on one
