@@ -34,8 +34,8 @@ const LENGTHS: [usize; 2] = [128, 512];
 const CACHE_LENGTHS: [usize; 2] = [1024, 4096];
 
 fn config() -> AttentionConfig {
-    AttentionConfig::new(D_MODEL, HEAD_DIM, HEAD_DIM)
-        .with_heads(HEADS)
+    AttentionConfig::new(D_MODEL, HEADS)
+        .with_head_dim(HEAD_DIM)
         .with_output_projection(D_MODEL)
 }
 

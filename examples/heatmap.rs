@@ -56,9 +56,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docs/heatmap.svg"));
 
     let x = embeddings();
-    let config = AttentionConfig::new(D_MODEL, D_MODEL / HEADS, D_MODEL / HEADS)
-        .with_heads(HEADS)
-        .with_output_projection(D_MODEL);
+    let config = AttentionConfig::new(D_MODEL, HEADS).with_output_projection(D_MODEL);
     let opts = AttentionOptions::new();
     // The same seed gives both layers the same parameters: the panels differ
     // only by the causal mask.

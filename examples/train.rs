@@ -237,8 +237,7 @@ struct ModelGradients {
 impl Model {
     fn new(task: &Task, seed: u64) -> Result<Self, AttentionError> {
         let mut rng = Rng(seed);
-        let config = AttentionConfig::new(D, D / HEADS, D / HEADS)
-            .with_heads(HEADS)
+        let config = AttentionConfig::new(D, HEADS)
             .with_output_projection(D)
             .with_bias(true);
         let layers = (0..LAYERS as u64)

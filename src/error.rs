@@ -34,6 +34,15 @@ pub enum ErrorKind {
     /// Allocating a result or working buffer failed (the message names the
     /// size): the call needs more memory than is available.
     OutOfMemory,
+    /// A checkpoint could not be read: the file is missing or unreadable,
+    /// or its bytes are not a valid safetensors file.
+    Checkpoint,
+    /// A tensor a loader needs is not in the checkpoint (the message names
+    /// it, with the prefix, and the tensors that are there).
+    MissingTensor,
+    /// A tensor has an element type the loader does not read (the message
+    /// names the tensor and the type; `F32` and `F64` are read).
+    UnsupportedDtype,
 }
 
 /// Bad input to an attention call: the kind, and a message naming the

@@ -10,6 +10,8 @@
 // both paths.
 mod alloc;
 mod call;
+#[cfg(feature = "safetensors")]
+mod checkpoint;
 pub mod core;
 mod element;
 mod error;
@@ -28,12 +30,15 @@ pub mod simd;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
+#[cfg(feature = "safetensors")]
+pub use checkpoint::Checkpoint;
 pub use element::Element;
 pub use error::{AttentionError, ErrorKind};
 pub use gradients::AttentionGradients;
 pub use kv_cache::KvCache;
 pub use layer::{
     Attention, AttentionConfig, CausalAttention, ForwardCache, LayerGradients, LayerParameters,
+    TorchLinear,
 };
 pub use options::{AttentionOptions, CausalAlignment};
 pub use partial::AttentionPartial;

@@ -339,8 +339,8 @@ fn ring_cache() {
 /// layer in f64 (same seeded weights) over the whole sequence.
 #[test]
 fn causal_layer() {
-    let config = sdpa::AttentionConfig::new(8, 8, 8)
-        .with_heads(2)
+    let config = sdpa::AttentionConfig::new(8, 2)
+        .with_head_dim(8)
         .with_kv_heads(1)
         .with_output_projection(8);
     let layer = sdpa::CausalAttention::<f32>::new_seeded(config, 3).unwrap();

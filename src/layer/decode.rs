@@ -26,7 +26,7 @@ impl<F: Element> CausalAttention<F> {
     /// cannot be allocated (see [`KvCache::new`]).
     pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache<F>, AttentionError> {
         let c = &self.layer.config;
-        KvCache::new(batch, c.kv_heads, c.d_k, c.d_v, capacity)
+        KvCache::new(batch, c.kv_heads, c.d_k(), c.d_v(), capacity)
     }
 
     /// An empty ring-buffer [`KvCache`] shaped for this layer, for
@@ -46,7 +46,7 @@ impl<F: Element> CausalAttention<F> {
         window: usize,
     ) -> Result<KvCache<F>, AttentionError> {
         let c = self.layer.config;
-        KvCache::with_window(window, batch, c.kv_heads, c.d_k, c.d_v)
+        KvCache::with_window(window, batch, c.kv_heads, c.d_k(), c.d_v())
     }
 
     /// Starts decoding: clears `cache`, then runs [`step`](Self::step) on
@@ -62,7 +62,7 @@ impl<F: Element> CausalAttention<F> {
     /// use ndarray::{s, Array3};
     /// use sdpa::{AttentionConfig, CausalAttention};
     ///
-    /// let config = AttentionConfig::new(16, 4, 4).with_heads(4).with_kv_heads(2).with_output_projection(16);
+    /// let config = AttentionConfig::new(16, 4).with_kv_heads(2).with_output_projection(16);
     /// let layer = CausalAttention::<f32>::new_seeded(config, 7)?;
     /// let x = Array3::<f32>::from_shape_fn((1, 12, 16), |(_, i, j)| ((i * 5 + j) % 9) as f32 * 0.1 - 0.4);
     ///
@@ -163,8 +163,8 @@ impl<F: Element> Layer<F> {
         let batch = x.len_of(Axis(0));
         if cache.batch() != batch
             || cache.kv_heads() != c.kv_heads
-            || cache.d_k() != c.d_k
-            || cache.d_v() != c.d_v
+            || cache.d_k() != c.d_k()
+            || cache.d_v() != c.d_v()
         {
             return Err(shape_error(format!(
                 "the cache holds batch = {}, kv_heads = {}, d_k = {}, d_v = {}, but x {:?} = \
@@ -176,8 +176,8 @@ impl<F: Element> Layer<F> {
                 cache.d_v(),
                 x.shape(),
                 c.kv_heads,
-                c.d_k,
-                c.d_v
+                c.d_k(),
+                c.d_v()
             )));
         }
         Ok(())

@@ -43,7 +43,7 @@ impl<F: Element> Attention<F> {
     /// use ndarray::Array2;
     /// use sdpa::{Attention, AttentionConfig, AttentionOptions};
     ///
-    /// let layer = Attention::<f32>::new_seeded(AttentionConfig::new(4, 4, 4), 3)?;
+    /// let layer = Attention::<f32>::new_seeded(AttentionConfig::new(4, 1), 3)?;
     /// let x = Array2::<f32>::from_shape_fn((6, 4), |(i, j)| ((i + j) % 3) as f32);
     /// // The last two positions are padding: no query may attend to them.
     /// let y = layer.forward_with(x.view(), &AttentionOptions::new().key_lengths(&[4]))?;
@@ -78,7 +78,7 @@ impl<F: Element> Attention<F> {
     /// use ndarray::Array2;
     /// use sdpa::{Attention, AttentionConfig, AttentionOptions};
     ///
-    /// let layer = Attention::<f32>::new_seeded(AttentionConfig::new(8, 4, 4).with_heads(2), 1)?;
+    /// let layer = Attention::<f32>::new_seeded(AttentionConfig::new(8, 2), 1)?;
     /// let x = Array2::<f32>::from_shape_fn((5, 8), |(i, j)| ((i * j) % 3) as f32 - 1.0);
     /// let (y, weights) = layer.forward_with_weights(x.view(), &AttentionOptions::new())?;
     /// assert_eq!(y, layer.forward(x.view())?);
@@ -107,7 +107,7 @@ impl<F: Element> Attention<F> {
     /// use ndarray::Array3;
     /// use sdpa::{Attention, AttentionConfig};
     ///
-    /// let layer = Attention::<f64>::new_seeded(AttentionConfig::new(8, 4, 4), 0)?;
+    /// let layer = Attention::<f64>::new_seeded(AttentionConfig::new(8, 1).with_head_dim(4), 0)?;
     /// let x = Array3::<f64>::from_shape_fn((2, 5, 8), |(b, i, j)| (b + i * j) as f64 * 0.01);
     /// let y = layer.forward_batch(x.view())?;
     /// assert_eq!(y.shape(), &[2, 5, 4]);
@@ -132,7 +132,7 @@ impl<F: Element> Attention<F> {
     /// use ndarray::{Array3, Array4};
     /// use sdpa::{Attention, AttentionConfig, AttentionOptions};
     ///
-    /// let layer = Attention::<f32>::new_seeded(AttentionConfig::new(4, 2, 3), 5)?;
+    /// let layer = Attention::<f32>::new_seeded(AttentionConfig::new(4, 1).with_head_dim(2).with_value_dim(3), 5)?;
     /// let x = Array3::<f32>::from_shape_fn((2, 3, 4), |(b, i, j)| (b + i + j) as f32 * 0.1);
     /// // A relative-position bias shared by the whole batch.
     /// let bias = Array4::<f32>::from_shape_fn((1, 1, 3, 3), |(_, _, i, j)| -((i as f32 - j as f32).abs()));
@@ -175,7 +175,7 @@ impl<F: Element> Attention<F> {
     /// use sdpa::{Attention, AttentionConfig};
     ///
     /// // Queries 8 wide, keys and values from a 12-wide encoder output.
-    /// let config = AttentionConfig::new(8, 4, 4).with_heads(2).with_d_model_kv(12).with_output_projection(8);
+    /// let config = AttentionConfig::new(8, 2).with_d_model_kv(12).with_output_projection(8);
     /// let layer = Attention::<f32>::new_seeded(config, 1)?;
     /// let decoder = Array3::<f32>::from_shape_fn((1, 3, 8), |(_, i, j)| (i + j) as f32 * 0.1);
     /// let encoder = Array3::<f32>::from_shape_fn((1, 7, 12), |(_, i, j)| (i * j % 5) as f32 * 0.1);
@@ -266,7 +266,7 @@ impl<F: Element> CausalAttention<F> {
     /// use ndarray::Array2;
     /// use sdpa::{AttentionConfig, AttentionOptions, CausalAttention};
     ///
-    /// let layer = CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 2, 2).with_heads(2), 3)?;
+    /// let layer = CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 2), 3)?;
     /// let x = Array2::<f64>::from_shape_fn((3, 4), |(i, j)| (i + 2 * j) as f64 * 0.1);
     /// let (_, weights) = layer.forward_with_weights(x.view(), &AttentionOptions::new())?;
     /// assert_eq!(weights[[1, 0, 0]], 1.0); // the first position sees only itself
@@ -304,7 +304,7 @@ impl<F: Element> CausalAttention<F> {
     /// use ndarray::Array3;
     /// use sdpa::{AttentionConfig, AttentionOptions, CausalAttention};
     ///
-    /// let layer = CausalAttention::<f32>::new_seeded(AttentionConfig::new(4, 4, 4), 9)?;
+    /// let layer = CausalAttention::<f32>::new_seeded(AttentionConfig::new(4, 1), 9)?;
     /// // Two sequences padded to length 5; the first is 3 long.
     /// let x = Array3::<f32>::from_shape_fn((2, 5, 4), |(b, i, j)| (b * 5 + i + j) as f32 * 0.1);
     /// let y = layer.forward_batch_with(x.view(), &AttentionOptions::new().key_lengths(&[3, 5]))?;

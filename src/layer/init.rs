@@ -47,7 +47,9 @@ impl<F: Element> Layer<F> {
                 layouts()
             )));
         }
-        let config = AttentionConfig::new(qs[0], qs[1], vs[1]);
+        let config = AttentionConfig::new(qs[0], 1)
+            .with_head_dim(qs[1])
+            .with_value_dim(vs[1]);
         config
             .check()
             .map_err(|err| AttentionError::new(err.kind(), format!("{}: {}", err, layouts())))?;

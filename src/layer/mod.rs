@@ -33,6 +33,9 @@ mod config;
 mod decode;
 mod forward;
 mod init;
+mod layouts;
+#[cfg(feature = "safetensors")]
+mod load;
 mod params;
 mod project;
 mod train;
@@ -40,6 +43,7 @@ mod train;
 use ndarray::{Array2, ArrayViewMutD};
 
 pub use config::AttentionConfig;
+pub use layouts::TorchLinear;
 pub use params::LayerParameters;
 pub use train::{ForwardCache, LayerGradients};
 
@@ -89,13 +93,13 @@ use crate::options::AttentionOptions;
 /// use ndarray::Array2;
 /// use sdpa::{Attention, AttentionConfig};
 ///
-/// let layer = Attention::<f32>::new_seeded(AttentionConfig::new(8, 4, 6), 42)?;
+/// let layer = Attention::<f32>::new_seeded(AttentionConfig::new(8, 1).with_head_dim(4).with_value_dim(6), 42)?;
 /// let x = Array2::<f32>::from_shape_fn((5, 8), |(i, j)| (i as f32 - j as f32) * 0.1);
 /// let y = layer.forward(x.view())?;
 /// assert_eq!(y.shape(), &[5, 6]);
 ///
 /// // Four heads of 16 over d_model = 64, with an output projection back to 64.
-/// let config = AttentionConfig::new(64, 16, 16).with_heads(4).with_output_projection(64);
+/// let config = AttentionConfig::new(64, 4).with_output_projection(64);
 /// let layer = Attention::<f32>::new_seeded(config, 42)?;
 /// let x = ndarray::Array3::<f32>::from_shape_fn((2, 10, 64), |(b, i, j)| ((b + i * j) % 5) as f32 * 0.1);
 /// assert_eq!(layer.forward_batch(x.view())?.shape(), &[2, 10, 64]);
@@ -127,7 +131,7 @@ pub struct Attention<F> {
 /// use ndarray::Array2;
 /// use sdpa::{AttentionConfig, CausalAttention};
 ///
-/// let layer = CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 4, 4), 7)?;
+/// let layer = CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 1), 7)?;
 /// let mut x = Array2::<f64>::from_shape_fn((3, 4), |(i, j)| (i * 4 + j) as f64 * 0.1);
 /// let before = layer.forward(x.view())?;
 /// x.row_mut(2).fill(100.0); // change the last position
@@ -169,7 +173,7 @@ impl<F: Element> Attention<F> {
     /// use sdpa::{Attention, AttentionConfig, ErrorKind, LayerParameters};
     ///
     /// // Two heads of width 2 over d_model = 4, an output projection to 4, biases.
-    /// let config = AttentionConfig::new(4, 2, 2).with_heads(2).with_output_projection(4).with_bias(true);
+    /// let config = AttentionConfig::new(4, 2).with_output_projection(4).with_bias(true);
     /// let parameters = LayerParameters::new(Array2::<f32>::eye(4), Array2::eye(4), Array2::eye(4))
     ///     .with_output(Array2::eye(4))
     ///     .with_biases(Array1::zeros(4), Array1::zeros(4), Array1::ones(4))
@@ -178,7 +182,7 @@ impl<F: Element> Attention<F> {
     /// assert_eq!(layer.config().heads, 2);
     ///
     /// // The same parameters do not fit three heads of width 2.
-    /// let err = Attention::new(config.with_heads(3), parameters).unwrap_err();
+    /// let err = Attention::new(config.with_heads(3).with_head_dim(2), parameters).unwrap_err();
     /// assert_eq!(err.kind(), ErrorKind::ShapeMismatch);
     /// assert!(err.to_string().contains("w_q"));
     /// # Ok::<(), sdpa::AttentionError>(())
@@ -211,7 +215,7 @@ impl<F: Element> Attention<F> {
     /// let w_k = Array2::<f64>::eye(3);
     /// let w_v = Array2::<f64>::ones((3, 2));
     /// let layer = Attention::from_projections(w_q.clone(), w_k.clone(), w_v)?;
-    /// assert_eq!(layer.config().d_v, 2);
+    /// assert_eq!(layer.config().d_v(), 2);
     ///
     /// let too_few_rows = Array2::<f64>::ones((2, 2));
     /// let err = Attention::from_projections(w_q, w_k, too_few_rows).unwrap_err();
@@ -251,7 +255,7 @@ impl<F: Element> Attention<F> {
     /// ```
     /// use sdpa::{Attention, AttentionConfig};
     ///
-    /// let config = AttentionConfig::new(8, 4, 4);
+    /// let config = AttentionConfig::new(8, 1).with_head_dim(4);
     /// let a = Attention::<f32>::new_seeded(config, 1)?;
     /// let b = Attention::<f32>::new_seeded(config, 1)?;
     /// assert_eq!(a, b);
@@ -283,7 +287,7 @@ impl<F: Element> CausalAttention<F> {
     /// use ndarray::{Array1, Array2};
     /// use sdpa::{AttentionConfig, CausalAttention, ErrorKind, LayerParameters};
     ///
-    /// let config = AttentionConfig::new(4, 2, 2).with_heads(2).with_output_projection(4).with_bias(true);
+    /// let config = AttentionConfig::new(4, 2).with_output_projection(4).with_bias(true);
     /// let parameters = LayerParameters::new(Array2::<f32>::eye(4), Array2::eye(4), Array2::eye(4))
     ///     .with_output(Array2::eye(4))
     ///     .with_biases(Array1::zeros(4), Array1::zeros(4), Array1::ones(4))
@@ -291,7 +295,7 @@ impl<F: Element> CausalAttention<F> {
     /// let layer = CausalAttention::new(config, parameters.clone())?;
     /// assert_eq!(layer.config().heads, 2);
     ///
-    /// let err = CausalAttention::new(config.with_heads(3), parameters).unwrap_err();
+    /// let err = CausalAttention::new(config.with_heads(3).with_head_dim(2), parameters).unwrap_err();
     /// assert_eq!(err.kind(), ErrorKind::ShapeMismatch);
     /// assert!(err.to_string().contains("w_q"));
     /// # Ok::<(), sdpa::AttentionError>(())
@@ -316,7 +320,7 @@ impl<F: Element> CausalAttention<F> {
     ///
     /// let (w_q, w_k, w_v) = (Array2::<f64>::eye(3), Array2::<f64>::eye(3), Array2::<f64>::ones((3, 2)));
     /// let layer = CausalAttention::from_projections(w_q.clone(), w_k.clone(), w_v)?;
-    /// assert_eq!(layer.config().d_v, 2);
+    /// assert_eq!(layer.config().d_v(), 2);
     ///
     /// let too_few_rows = Array2::<f64>::ones((2, 2));
     /// let err = CausalAttention::from_projections(w_q, w_k, too_few_rows).unwrap_err();
@@ -342,7 +346,7 @@ impl<F: Element> CausalAttention<F> {
     /// ```
     /// use sdpa::{Attention, AttentionConfig, CausalAttention};
     ///
-    /// let config = AttentionConfig::new(8, 4, 4).with_heads(2);
+    /// let config = AttentionConfig::new(8, 2);
     /// let causal = CausalAttention::<f32>::new_seeded(config, 1)?;
     /// assert_eq!(causal.parameters(), Attention::<f32>::new_seeded(config, 1)?.parameters());
     /// assert!(CausalAttention::<f32>::new_seeded(config.with_d_model_kv(6), 1).is_err());
@@ -366,7 +370,7 @@ impl<F: Element> Attention<F> {
     /// ```
     /// use sdpa::{Attention, AttentionConfig};
     ///
-    /// let seeded = Attention::<f64>::new_seeded(AttentionConfig::new(4, 2, 3), 1)?;
+    /// let seeded = Attention::<f64>::new_seeded(AttentionConfig::new(4, 1).with_head_dim(2).with_value_dim(3), 1)?;
     /// assert_eq!(seeded.parameters().w_v.dim(), (4, 3));
     /// // The same layer again, from its parameters.
     /// let copy = Attention::new(seeded.config(), seeded.parameters().clone())?;
@@ -384,7 +388,7 @@ impl<F: Element> Attention<F> {
     /// ```
     /// use sdpa::{Attention, AttentionConfig};
     ///
-    /// let mut layer = Attention::<f64>::new_seeded(AttentionConfig::new(4, 4, 4), 0)?;
+    /// let mut layer = Attention::<f64>::new_seeded(AttentionConfig::new(4, 1), 0)?;
     /// // Weight decay, outside any optimiser.
     /// for (_, mut parameter) in layer.parameters_mut() {
     ///     parameter *= 0.99;
@@ -402,7 +406,7 @@ impl<F: Element> CausalAttention<F> {
     /// ```
     /// use sdpa::{AttentionConfig, CausalAttention};
     ///
-    /// let layer = CausalAttention::<f32>::new_seeded(AttentionConfig::new(8, 4, 4), 1)?;
+    /// let layer = CausalAttention::<f32>::new_seeded(AttentionConfig::new(8, 1).with_head_dim(4), 1)?;
     /// let bound = (6.0_f32 / (8.0 + 4.0)).sqrt();
     /// assert!(layer.parameters().w_q.iter().all(|w| w.abs() <= bound));
     /// # Ok::<(), sdpa::AttentionError>(())
@@ -416,7 +420,7 @@ impl<F: Element> CausalAttention<F> {
     /// ```
     /// use sdpa::{AttentionConfig, CausalAttention};
     ///
-    /// let mut layer = CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 4, 4), 0)?;
+    /// let mut layer = CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 1), 0)?;
     /// for (_, mut parameter) in layer.parameters_mut() {
     ///     parameter *= 0.99;
     /// }

@@ -56,25 +56,25 @@ const PROJECTIONS: [Projection; 4] = [
         weight: "w_q",
         bias: "b_q",
         layout: "[d_model, heads·d_k]",
-        shape: |c| Some((c.d_model, c.heads * c.d_k)),
+        shape: |c| Some((c.d_model, c.heads * c.d_k())),
     },
     Projection {
         weight: "w_k",
         bias: "b_k",
         layout: "[d_model_kv, kv_heads·d_k]",
-        shape: |c| Some((c.kv_input_width(), c.kv_heads * c.d_k)),
+        shape: |c| Some((c.kv_input_width(), c.kv_heads * c.d_k())),
     },
     Projection {
         weight: "w_v",
         bias: "b_v",
         layout: "[d_model_kv, kv_heads·d_v]",
-        shape: |c| Some((c.kv_input_width(), c.kv_heads * c.d_v)),
+        shape: |c| Some((c.kv_input_width(), c.kv_heads * c.d_v())),
     },
     Projection {
         weight: "w_o",
         bias: "b_o",
         layout: "[heads·d_v, d_model_out]",
-        shape: |c| c.d_model_out.map(|width| (c.heads * c.d_v, width)),
+        shape: |c| c.d_model_out.map(|width| (c.heads * c.d_v(), width)),
     },
 ];
 
@@ -96,10 +96,21 @@ const PROJECTIONS: [Projection; 4] = [
 /// | `b_q`, `b_k`, `b_v` | `[heads·d_k]`, `[kv_heads·d_k]`, `[kv_heads·d_v]` | with `bias` |
 /// | `b_o` | `[d_model_out]` | with `bias` and an output projection |
 ///
+/// Every weight is **`[in, out]`**: a projection is `Y = X·W + b`. That is
+/// the layout of GPT-2's `Conv1D`, and the **transpose** of PyTorch's
+/// `nn.Linear.weight` (`[out, in]`, `y = x·Wᵀ + b`), which Hugging Face's
+/// Llama, Mistral and Qwen2 projections and `nn.MultiheadAttention` use. A
+/// square `[out, in]` weight passes every shape check here and gives wrong
+/// numbers, so load checkpoints through the constructors that name their
+/// layout: [`from_torch_linear`](Self::from_torch_linear),
+/// [`from_torch_multihead_attention`](Self::from_torch_multihead_attention),
+/// [`from_gpt2_conv1d`](Self::from_gpt2_conv1d), and, with the feature
+/// `safetensors`, their `load_*` forms that read a
+/// `Checkpoint` by tensor name.
+///
 /// Head `h` owns columns `h·d_k .. (h+1)·d_k` of `W^Q` (and likewise for
-/// the others), the layout of PyTorch's and most checkpoints' fused
-/// projections. A model without a bias on one projection (Whisper's keys)
-/// gives a zero bias there.
+/// the others), as in those frameworks. A model without a bias on one
+/// projection (Whisper's keys, Qwen2's output) gives a zero bias there.
 ///
 /// ```
 /// use ndarray::{Array1, Array2};
@@ -115,13 +126,13 @@ const PROJECTIONS: [Projection; 4] = [
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct LayerParameters<F> {
-    /// The query projection `W^Q`, `[d_model, heads·d_k]`.
+    /// The query projection `W^Q`, `[in, out]` = `[d_model, heads·d_k]`.
     pub w_q: Array2<F>,
-    /// The key projection `W^K`, `[d_model_kv, kv_heads·d_k]`.
+    /// The key projection `W^K`, `[in, out]` = `[d_model_kv, kv_heads·d_k]`.
     pub w_k: Array2<F>,
-    /// The value projection `W^V`, `[d_model_kv, kv_heads·d_v]`.
+    /// The value projection `W^V`, `[in, out]` = `[d_model_kv, kv_heads·d_v]`.
     pub w_v: Array2<F>,
-    /// The output projection `W^O`, `[heads·d_v, d_model_out]`, if any.
+    /// The output projection `W^O`, `[in, out]` = `[heads·d_v, d_model_out]`, if any.
     pub w_o: Option<Array2<F>>,
     /// The query bias, `[heads·d_k]`, if any.
     pub b_q: Option<Array1<F>>,
@@ -137,12 +148,16 @@ pub struct LayerParameters<F> {
 type Slots<W, B> = ([Option<W>; 4], [Option<B>; 4]);
 
 impl<F> LayerParameters<F> {
-    /// The three input projections, with no output projection and no biases.
-    pub fn new(w_q: Array2<F>, w_k: Array2<F>, w_v: Array2<F>) -> Self {
+    /// The three input projections, each **`[in, out]`** (`Q = X·W^Q`):
+    /// `w_q_in_out` `[d_model, heads·d_k]`, `w_k_in_out`
+    /// `[d_model_kv, kv_heads·d_k]`, `w_v_in_out` `[d_model_kv, kv_heads·d_v]`;
+    /// with no output projection and no biases. For PyTorch's `[out, in]`
+    /// weights use [`from_torch_linear`](Self::from_torch_linear).
+    pub fn new(w_q_in_out: Array2<F>, w_k_in_out: Array2<F>, w_v_in_out: Array2<F>) -> Self {
         Self {
-            w_q,
-            w_k,
-            w_v,
+            w_q: w_q_in_out,
+            w_k: w_k_in_out,
+            w_v: w_v_in_out,
             w_o: None,
             b_q: None,
             b_k: None,
@@ -151,9 +166,10 @@ impl<F> LayerParameters<F> {
         }
     }
 
-    /// Adds the output projection `W^O`, `[heads·d_v, d_model_out]`.
-    pub fn with_output(mut self, w_o: Array2<F>) -> Self {
-        self.w_o = Some(w_o);
+    /// Adds the output projection `W^O`, **`[in, out]`** =
+    /// `[heads·d_v, d_model_out]` (the transpose of an `nn.Linear` weight).
+    pub fn with_output(mut self, w_o_in_out: Array2<F>) -> Self {
+        self.w_o = Some(w_o_in_out);
         self
     }
 
@@ -180,7 +196,7 @@ impl<F> LayerParameters<F> {
     /// ```
     /// use sdpa::{Attention, AttentionConfig};
     ///
-    /// let config = AttentionConfig::new(8, 4, 4).with_heads(2).with_output_projection(8);
+    /// let config = AttentionConfig::new(8, 2).with_output_projection(8);
     /// let layer = Attention::<f32>::new_seeded(config, 0)?;
     /// let names: Vec<_> = layer.parameters().iter().map(|(name, _)| name).collect();
     /// assert_eq!(names, ["w_q", "w_k", "w_v", "w_o"]);
@@ -358,8 +374,9 @@ mod tests {
 
     /// A config whose every parameter has a shape no other has.
     fn distinct() -> AttentionConfig {
-        AttentionConfig::new(2, 3, 5)
-            .with_heads(4)
+        AttentionConfig::new(2, 4)
+            .with_head_dim(3)
+            .with_value_dim(5)
             .with_kv_heads(2)
             .with_d_model_kv(7)
             .with_output_projection(11)

@@ -126,7 +126,7 @@ impl<F: Element> Layer<F> {
         &self,
         (batch, heads, len_q, _): (usize, usize, usize, usize),
     ) -> Result<Array4<F>, AttentionError> {
-        let dim = (batch, len_q, heads, self.config.d_v);
+        let dim = (batch, len_q, heads, self.config.d_v());
         zeros("the heads' output [batch, len_q, heads, d_v]", dim)
     }
 

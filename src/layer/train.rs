@@ -74,7 +74,7 @@ impl<F> ForwardCache<'_, F> {
 /// use sdpa::{AttentionConfig, AttentionOptions, CausalAttention};
 ///
 /// // Two heads of 4 over d_model = 8, output projection back to 8, biases.
-/// let config = AttentionConfig::new(8, 4, 4).with_heads(2).with_output_projection(8).with_bias(true);
+/// let config = AttentionConfig::new(8, 2).with_output_projection(8).with_bias(true);
 /// let mut layer = CausalAttention::<f32>::new_seeded(config, 1)?;
 /// let x = Array3::<f32>::from_shape_fn((2, 5, 8), |(b, i, j)| ((b + 3 * i + j) % 7) as f32 * 0.2 - 0.6);
 ///
@@ -176,7 +176,7 @@ impl<F: Element> Attention<F> {
     /// use ndarray::{Array3, s};
     /// use sdpa::{Attention, AttentionConfig, AttentionOptions};
     ///
-    /// let config = AttentionConfig::new(4, 2, 2).with_heads(2).with_output_projection(4);
+    /// let config = AttentionConfig::new(4, 2).with_output_projection(4);
     /// let layer = Attention::<f64>::new_seeded(config, 5)?;
     /// // Two sequences padded to 5 positions; the first is 3 long.
     /// let x = Array3::<f64>::from_shape_fn((2, 5, 4), |(b, i, j)| ((b + i * j) % 5) as f64 * 0.3);
@@ -214,7 +214,7 @@ impl<F: Element> Attention<F> {
     /// use ndarray::Array3;
     /// use sdpa::{Attention, AttentionConfig, AttentionOptions};
     ///
-    /// let config = AttentionConfig::new(4, 2, 2).with_heads(2).with_d_model_kv(6);
+    /// let config = AttentionConfig::new(4, 2).with_d_model_kv(6);
     /// let layer = Attention::<f32>::new_seeded(config, 2)?;
     /// let decoder = Array3::<f32>::from_shape_fn((1, 3, 4), |(_, i, j)| (i + j) as f32 * 0.1);
     /// let encoder = Array3::<f32>::from_shape_fn((1, 7, 6), |(_, i, j)| (i * j % 5) as f32 * 0.1);
@@ -277,7 +277,7 @@ impl<F: Element> Attention<F> {
     /// use ndarray::{Array3, ArrayD};
     /// use sdpa::{Attention, AttentionConfig, AttentionOptions};
     ///
-    /// let config = AttentionConfig::new(6, 3, 3).with_heads(2).with_output_projection(6);
+    /// let config = AttentionConfig::new(6, 2).with_output_projection(6);
     /// let mut layer = Attention::<f32>::new_seeded(config, 3)?;
     /// let x = Array3::<f32>::from_shape_fn((1, 4, 6), |(_, i, j)| (i as f32 - j as f32) * 0.1);
     ///
@@ -365,7 +365,7 @@ impl<F: Element> CausalAttention<F> {
     /// use ndarray::Array3;
     /// use sdpa::{AttentionConfig, AttentionOptions, CausalAttention};
     ///
-    /// let config = AttentionConfig::new(6, 3, 3).with_heads(2).with_output_projection(6);
+    /// let config = AttentionConfig::new(6, 2).with_output_projection(6);
     /// let mut layer = CausalAttention::<f32>::new_seeded(config, 3)?;
     /// let x = Array3::<f32>::from_shape_fn((1, 4, 6), |(_, i, j)| (i as f32 - j as f32) * 0.1);
     /// let (y, cache) = layer.forward_train(x.view(), &AttentionOptions::new())?;

@@ -259,8 +259,7 @@ proptest! {
         capacity in 0..4_usize,
         seed in any::<u64>(),
     ) {
-        let mut config = AttentionConfig::new(d_model, d_k, d_v)
-            .with_heads(kv_heads * group)
+        let mut config = AttentionConfig::new(d_model, kv_heads * group).with_head_dim(d_k).with_value_dim(d_v)
             .with_kv_heads(kv_heads)
             .with_bias(bias);
         config.d_model_out = d_model_out;
@@ -279,7 +278,7 @@ proptest! {
         second in 0..6_usize,
         window in prop::option::of(1..4_usize),
     ) {
-        let layer = CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 3, 2).with_heads(2), seed).unwrap();
+        let layer = CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 2).with_head_dim(3).with_value_dim(2), seed).unwrap();
         let mut cache = match window {
             Some(w) => layer.new_window_cache(1, w).unwrap(),
             None => layer.new_cache(1, 2).unwrap(),
@@ -424,8 +423,7 @@ fn a_ring_truncates_only_as_far_as_it_can() {
 
 #[test]
 fn an_empty_step_changes_nothing() {
-    let layer =
-        CausalAttention::<f32>::new_seeded(AttentionConfig::new(4, 2, 2).with_heads(2), 1).unwrap();
+    let layer = CausalAttention::<f32>::new_seeded(AttentionConfig::new(4, 2), 1).unwrap();
     let mut cache = layer.new_cache(2, 4).unwrap();
     let x = filled3::<f32>(1, (2, 3, 4));
     layer.prefill(x.view(), &mut cache).unwrap();
@@ -651,7 +649,10 @@ fn attend_into_wrong_output() {
 }
 
 fn layer() -> CausalAttention<f64> {
-    let config = AttentionConfig::new(6, 3, 4).with_heads(4).with_kv_heads(2);
+    let config = AttentionConfig::new(6, 4)
+        .with_head_dim(3)
+        .with_value_dim(4)
+        .with_kv_heads(2);
     CausalAttention::new_seeded(config, 1).unwrap()
 }
 
@@ -691,8 +692,13 @@ fn layer_step_with_a_cache_for_another_batch() {
 #[test]
 fn layer_step_with_a_cache_for_another_layer() {
     let layer = layer();
-    let other =
-        CausalAttention::<f64>::new_seeded(AttentionConfig::new(6, 3, 4).with_heads(4), 1).unwrap();
+    let other = CausalAttention::<f64>::new_seeded(
+        AttentionConfig::new(6, 4)
+            .with_head_dim(3)
+            .with_value_dim(4),
+        1,
+    )
+    .unwrap();
     let mut cache = other.new_cache(1, 4).unwrap();
     let x = Array3::zeros((1, 1, 6));
     assert_error(

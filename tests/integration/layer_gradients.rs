@@ -117,21 +117,21 @@ impl Case<f64> {
         // Weights a little larger than Xavier, so the attention is not flat.
         let w = |rng: &mut Rng, rows: usize, cols: usize| random2(rng, (rows, cols), 1.0);
         let mut weights = LayerParameters::new(
-            w(&mut rng, c.d_model, c.heads * c.d_k),
-            w(&mut rng, width_kv, c.kv_heads * c.d_k),
-            w(&mut rng, width_kv, c.kv_heads * c.d_v),
+            w(&mut rng, c.d_model, c.heads * c.d_k()),
+            w(&mut rng, width_kv, c.kv_heads * c.d_k()),
+            w(&mut rng, width_kv, c.kv_heads * c.d_v()),
         );
         if let Some(d_model_out) = c.d_model_out {
-            weights = weights.with_output(w(&mut rng, c.heads * c.d_v, d_model_out));
+            weights = weights.with_output(w(&mut rng, c.heads * c.d_v(), d_model_out));
         }
         if c.bias {
             let b = |rng: &mut Rng, len: usize| {
                 Array1::from_shape_simple_fn(len, || rng.uniform(-0.5, 0.5))
             };
             weights = weights.with_biases(
-                b(&mut rng, c.heads * c.d_k),
-                b(&mut rng, c.kv_heads * c.d_k),
-                b(&mut rng, c.kv_heads * c.d_v),
+                b(&mut rng, c.heads * c.d_k()),
+                b(&mut rng, c.kv_heads * c.d_k()),
+                b(&mut rng, c.kv_heads * c.d_v()),
             );
             if let Some(d_model_out) = c.d_model_out {
                 weights = weights.with_output_bias(b(&mut rng, d_model_out));
@@ -456,7 +456,9 @@ fn assert_gradients_match_finite_differences(case: &Case<f64>) {
 fn seed_single_head_layer() {
     let case = Case::new(
         Kind::SelfAttention,
-        AttentionConfig::new(5, 3, 4),
+        AttentionConfig::new(5, 1)
+            .with_head_dim(3)
+            .with_value_dim(4),
         2,
         4,
         0,
@@ -467,28 +469,30 @@ fn seed_single_head_layer() {
 
 #[test]
 fn seed_single_head_causal_layer() {
-    let case = Case::new(Kind::Causal, AttentionConfig::new(4, 4, 4), 1, 5, 0, 2);
+    let case = Case::new(Kind::Causal, AttentionConfig::new(4, 1), 1, 5, 0, 2);
     assert_gradients_match_finite_differences(&case);
 }
 
 #[test]
 fn multi_head_without_output_projection() {
-    let config = AttentionConfig::new(6, 2, 3).with_heads(3);
+    let config = AttentionConfig::new(6, 3).with_value_dim(3);
     assert_gradients_match_finite_differences(&Case::new(Kind::SelfAttention, config, 2, 4, 0, 3));
 }
 
 #[test]
 fn output_projection_without_biases() {
-    let config = AttentionConfig::new(5, 3, 2)
-        .with_heads(2)
+    let config = AttentionConfig::new(5, 2)
+        .with_head_dim(3)
+        .with_value_dim(2)
         .with_output_projection(4);
     assert_gradients_match_finite_differences(&Case::new(Kind::SelfAttention, config, 2, 4, 0, 4));
 }
 
 #[test]
 fn output_projection_with_biases() {
-    let config = AttentionConfig::new(5, 3, 2)
-        .with_heads(2)
+    let config = AttentionConfig::new(5, 2)
+        .with_head_dim(3)
+        .with_value_dim(2)
         .with_output_projection(4)
         .with_bias(true);
     assert_gradients_match_finite_differences(&Case::new(Kind::SelfAttention, config, 2, 4, 0, 5));
@@ -496,14 +500,14 @@ fn output_projection_with_biases() {
 
 #[test]
 fn biases_without_output_projection() {
-    let config = AttentionConfig::new(4, 2, 3).with_heads(2).with_bias(true);
+    let config = AttentionConfig::new(4, 2).with_value_dim(3).with_bias(true);
     assert_gradients_match_finite_differences(&Case::new(Kind::SelfAttention, config, 2, 3, 0, 6));
 }
 
 #[test]
 fn grouped_query_heads() {
-    let config = AttentionConfig::new(6, 2, 2)
-        .with_heads(4)
+    let config = AttentionConfig::new(6, 4)
+        .with_head_dim(2)
         .with_kv_heads(2)
         .with_output_projection(6)
         .with_bias(true);
@@ -512,8 +516,9 @@ fn grouped_query_heads() {
 
 #[test]
 fn multi_query_heads() {
-    let config = AttentionConfig::new(4, 3, 2)
-        .with_heads(3)
+    let config = AttentionConfig::new(4, 3)
+        .with_head_dim(3)
+        .with_value_dim(2)
         .with_kv_heads(1)
         .with_output_projection(3);
     assert_gradients_match_finite_differences(&Case::new(Kind::SelfAttention, config, 1, 5, 0, 8));
@@ -521,8 +526,8 @@ fn multi_query_heads() {
 
 #[test]
 fn cross_attention() {
-    let config = AttentionConfig::new(4, 2, 3)
-        .with_heads(2)
+    let config = AttentionConfig::new(4, 2)
+        .with_value_dim(3)
         .with_kv_heads(1)
         .with_d_model_kv(6)
         .with_output_projection(5)
@@ -532,8 +537,8 @@ fn cross_attention() {
 
 #[test]
 fn cross_attention_with_key_lengths() {
-    let config = AttentionConfig::new(3, 2, 2)
-        .with_heads(2)
+    let config = AttentionConfig::new(3, 2)
+        .with_head_dim(2)
         .with_d_model_kv(5)
         .with_output_projection(3);
     let case = Case::new(Kind::Cross, config, 3, 4, 5, 10).with_key_lengths(&[5, 2, 0]);
@@ -542,8 +547,7 @@ fn cross_attention_with_key_lengths() {
 
 #[test]
 fn cross_attention_causal_both_alignments() {
-    let config = AttentionConfig::new(4, 2, 2)
-        .with_heads(2)
+    let config = AttentionConfig::new(4, 2)
         .with_d_model_kv(3)
         .with_bias(true);
     for alignment in [CausalAlignment::BottomRight, CausalAlignment::TopLeft] {
@@ -554,8 +558,9 @@ fn cross_attention_causal_both_alignments() {
 
 #[test]
 fn causal_multi_head_layer() {
-    let config = AttentionConfig::new(6, 2, 3)
-        .with_heads(4)
+    let config = AttentionConfig::new(6, 4)
+        .with_head_dim(2)
+        .with_value_dim(3)
         .with_kv_heads(2)
         .with_output_projection(5)
         .with_bias(true);
@@ -564,9 +569,7 @@ fn causal_multi_head_layer() {
 
 #[test]
 fn causal_layer_with_key_lengths() {
-    let config = AttentionConfig::new(4, 2, 2)
-        .with_heads(2)
-        .with_output_projection(4);
+    let config = AttentionConfig::new(4, 2).with_output_projection(4);
     let case = Case::new(Kind::Causal, config, 3, 5, 0, 13).with_key_lengths(&[5, 3, 1]);
     assert_gradients_match_finite_differences(&case);
 }
@@ -574,8 +577,9 @@ fn causal_layer_with_key_lengths() {
 #[test]
 fn bidirectional_layer_with_key_lengths() {
     // Length 0: every query of that item sees nothing and outputs zeros.
-    let config = AttentionConfig::new(4, 3, 2)
-        .with_heads(2)
+    let config = AttentionConfig::new(4, 2)
+        .with_head_dim(3)
+        .with_value_dim(2)
         .with_bias(true)
         .with_output_projection(4);
     let case = Case::new(Kind::SelfAttention, config, 3, 4, 0, 14).with_key_lengths(&[4, 2, 0]);
@@ -584,9 +588,7 @@ fn bidirectional_layer_with_key_lengths() {
 
 #[test]
 fn keep_mask_and_learned_attention_bias() {
-    let config = AttentionConfig::new(4, 2, 2)
-        .with_heads(2)
-        .with_output_projection(3);
+    let config = AttentionConfig::new(4, 2).with_output_projection(3);
     // A per-item key mask, and a per-head bias shared by the batch (so its
     // gradient sums over the batch).
     let case = Case::new(Kind::SelfAttention, config, 2, 4, 0, 15)
@@ -597,10 +599,7 @@ fn keep_mask_and_learned_attention_bias() {
 
 #[test]
 fn causal_window_and_scale() {
-    let config = AttentionConfig::new(4, 2, 2)
-        .with_heads(2)
-        .with_kv_heads(1)
-        .with_bias(true);
+    let config = AttentionConfig::new(4, 2).with_kv_heads(1).with_bias(true);
     let case = Case::new(Kind::Causal, config, 2, 6, 0, 18)
         .with_window(2)
         .with_scale(0.8);
@@ -609,17 +608,14 @@ fn causal_window_and_scale() {
 
 #[test]
 fn causal_layer_with_attention_bias_broadcast_over_heads() {
-    let config = AttentionConfig::new(4, 2, 2)
-        .with_heads(2)
-        .with_output_projection(4);
+    let config = AttentionConfig::new(4, 2).with_output_projection(4);
     let case = Case::new(Kind::Causal, config, 2, 4, 0, 19).with_attention_bias([1, 1, 4, 4], 20);
     assert_gradients_match_finite_differences(&case);
 }
 
 #[test]
 fn empty_sequences_give_zero_gradients() {
-    let config = AttentionConfig::new(4, 2, 2)
-        .with_heads(2)
+    let config = AttentionConfig::new(4, 2)
         .with_output_projection(3)
         .with_bias(true);
     let grads = Case::new(Kind::SelfAttention, config, 2, 0, 0, 21).gradients();
@@ -646,8 +642,9 @@ fn empty_sequences_give_zero_gradients() {
 
 #[test]
 fn forward_train_gives_the_forward_output() {
-    let config = AttentionConfig::new(6, 3, 2)
-        .with_heads(4)
+    let config = AttentionConfig::new(6, 4)
+        .with_head_dim(3)
+        .with_value_dim(2)
         .with_kv_heads(2)
         .with_output_projection(5)
         .with_bias(true);
@@ -663,8 +660,9 @@ fn forward_train_gives_the_forward_output() {
 
 #[test]
 fn key_bias_gradient_is_zero_up_to_rounding() {
-    let config = AttentionConfig::new(5, 3, 2)
-        .with_heads(2)
+    let config = AttentionConfig::new(5, 2)
+        .with_head_dim(3)
+        .with_value_dim(2)
         .with_output_projection(4)
         .with_bias(true);
     let grads = Case::new(Kind::Causal, config, 2, 6, 0, 24)
@@ -681,9 +679,7 @@ fn key_bias_gradient_is_zero_up_to_rounding() {
 
 #[test]
 fn padding_and_other_items_get_nothing() {
-    let config = AttentionConfig::new(4, 2, 2)
-        .with_heads(2)
-        .with_output_projection(4);
+    let config = AttentionConfig::new(4, 2).with_output_projection(4);
     let mut case = Case::new(Kind::SelfAttention, config, 2, 5, 0, 25).with_key_lengths(&[3, 5]);
     // The loss reads item 0's real positions only.
     case.d_y.slice_mut(s![0, 3.., ..]).fill(0.0);
@@ -696,8 +692,8 @@ fn padding_and_other_items_get_nothing() {
 
 #[test]
 fn strided_inputs_and_d_output_give_the_same_gradients() {
-    let config = AttentionConfig::new(4, 2, 3)
-        .with_heads(2)
+    let config = AttentionConfig::new(4, 2)
+        .with_value_dim(3)
         .with_d_model_kv(5)
         .with_output_projection(3);
     let case = Case::new(Kind::Cross, config, 2, 3, 4, 26);
@@ -724,8 +720,7 @@ fn strided_inputs_and_d_output_give_the_same_gradients() {
 
 #[test]
 fn sgd_step_lowers_the_loss_and_apply_gradients_pairs_parameters() {
-    let config = AttentionConfig::new(6, 3, 3)
-        .with_heads(2)
+    let config = AttentionConfig::new(6, 2)
         .with_output_projection(6)
         .with_bias(true);
     let case = Case::new(Kind::Causal, config, 2, 5, 0, 27);
@@ -837,7 +832,9 @@ fn f32_matches_f64_on_the_configurations() {
     let cases = [
         Case::new(
             Kind::SelfAttention,
-            AttentionConfig::new(5, 3, 4),
+            AttentionConfig::new(5, 1)
+                .with_head_dim(3)
+                .with_value_dim(4),
             2,
             4,
             0,
@@ -845,8 +842,8 @@ fn f32_matches_f64_on_the_configurations() {
         ),
         Case::new(
             Kind::SelfAttention,
-            AttentionConfig::new(6, 2, 2)
-                .with_heads(4)
+            AttentionConfig::new(6, 4)
+                .with_head_dim(2)
                 .with_kv_heads(2)
                 .with_output_projection(6)
                 .with_bias(true),
@@ -859,8 +856,8 @@ fn f32_matches_f64_on_the_configurations() {
         .with_attention_bias([1, 4, 5, 5], 34),
         Case::new(
             Kind::Cross,
-            AttentionConfig::new(4, 2, 3)
-                .with_heads(2)
+            AttentionConfig::new(4, 2)
+                .with_value_dim(3)
                 .with_d_model_kv(6)
                 .with_output_projection(5)
                 .with_bias(true),
@@ -872,8 +869,9 @@ fn f32_matches_f64_on_the_configurations() {
         .with_key_lengths(&[6, 2, 0]),
         Case::new(
             Kind::Causal,
-            AttentionConfig::new(6, 3, 2)
-                .with_heads(3)
+            AttentionConfig::new(6, 3)
+                .with_head_dim(3)
+                .with_value_dim(2)
                 .with_kv_heads(1)
                 .with_output_projection(4),
             2,
@@ -892,8 +890,8 @@ fn f32_matches_f64_on_the_configurations() {
 #[test]
 fn f32_matches_f64_on_model_sized_layers() {
     // Past the fused path's tiles: 8 heads of 16 over d_model 64, 2 kv heads.
-    let config = AttentionConfig::new(64, 16, 16)
-        .with_heads(8)
+    let config = AttentionConfig::new(64, 8)
+        .with_head_dim(16)
         .with_kv_heads(2)
         .with_output_projection(64)
         .with_bias(true);
@@ -905,8 +903,7 @@ fn f32_matches_f64_on_model_sized_layers() {
     }
     assert_f32_matches_f64(&case, F32_TOLERANCE);
 
-    let config = AttentionConfig::new(48, 12, 12)
-        .with_heads(4)
+    let config = AttentionConfig::new(48, 4)
         .with_d_model_kv(32)
         .with_output_projection(48);
     let mut case =
@@ -971,8 +968,9 @@ fn random_case() -> impl Strategy<Value = Case<f64>> {
                 seed,
             )| {
                 let kind = [Kind::SelfAttention, Kind::Cross, Kind::Causal][kind];
-                let mut config = AttentionConfig::new(d_model, d_k, d_v)
-                    .with_heads(kv_heads * group)
+                let mut config = AttentionConfig::new(d_model, kv_heads * group)
+                    .with_head_dim(d_k)
+                    .with_value_dim(d_v)
                     .with_kv_heads(kv_heads)
                     .with_bias(bias);
                 if let Some(d_model_out) = d_model_out {
@@ -1030,8 +1028,7 @@ proptest! {
 // Bad shapes: an error, never a panic.
 
 fn small_layer() -> (Attention<f64>, Array3<f64>) {
-    let config = AttentionConfig::new(4, 2, 2)
-        .with_heads(2)
+    let config = AttentionConfig::new(4, 2)
         .with_output_projection(3)
         .with_bias(true);
     let layer = Attention::new_seeded(config, 40).unwrap();
@@ -1058,9 +1055,15 @@ fn d_output_of_the_wrong_shape_is_an_error() {
 #[test]
 fn a_cache_from_another_layer_config_is_an_error() {
     let (layer, x) = small_layer();
-    let other =
-        Attention::<f64>::new_seeded(layer.config().with_heads(1).with_d_k(4).with_d_v(4), 41)
-            .unwrap();
+    let other = Attention::<f64>::new_seeded(
+        layer
+            .config()
+            .with_heads(1)
+            .with_head_dim(4)
+            .with_value_dim(4),
+        41,
+    )
+    .unwrap();
     let (y, cache) = other
         .forward_train(x.view(), &AttentionOptions::new())
         .unwrap();
@@ -1147,7 +1150,7 @@ fn options_that_do_not_fit_are_an_error() {
 
 #[test]
 fn one_sequence_trains_as_a_batch_of_one() {
-    let config = AttentionConfig::new(4, 2, 2).with_heads(2);
+    let config = AttentionConfig::new(4, 2);
     let layer = CausalAttention::<f64>::new_seeded(config, 45).unwrap();
     let x = Array2::from_shape_fn((5, 4), |(i, j)| (i as f64 - j as f64) * 0.2);
     let (y, cache) = layer

@@ -47,7 +47,11 @@ fn config_and_input() -> impl Strategy<Value = (AttentionConfig, Array3<f64>)> {
     (1..7_usize, 1..7_usize, 1..7_usize, 1..4_usize, 0..7_usize).prop_flat_map(
         |(d_model, d_k, d_v, batch, len)| {
             (
-                Just(AttentionConfig::new(d_model, d_k, d_v)),
+                Just(
+                    AttentionConfig::new(d_model, 1)
+                        .with_head_dim(d_k)
+                        .with_value_dim(d_v),
+                ),
                 array3((batch, len, d_model)),
             )
         },
@@ -60,7 +64,7 @@ proptest! {
         let layer = Attention::<f64>::new_seeded(config, seed).unwrap();
         let y = layer.forward_batch(x.view()).unwrap();
         let expected = reference(layer.parameters().w_q.view(), layer.parameters().w_k.view(), layer.parameters().w_v.view(), x.view(), &AttentionOptions::new());
-        prop_assert_eq!(y.dim(), (x.dim().0, x.dim().1, config.d_v));
+        prop_assert_eq!(y.dim(), (x.dim().0, x.dim().1, config.d_v()));
         assert_abs_diff_eq!(y, expected, epsilon = 1e-12);
     }
 
@@ -184,7 +188,7 @@ proptest! {
     fn seeded_weights_are_deterministic_and_within_the_xavier_bound(
         d_model in 1..40_usize, d_k in 1..40_usize, d_v in 1..40_usize, seed in any::<u64>(),
     ) {
-        let config = AttentionConfig::new(d_model, d_k, d_v);
+        let config = AttentionConfig::new(d_model, 1).with_head_dim(d_k).with_value_dim(d_v);
         let a = Attention::<f64>::new_seeded(config, seed).unwrap();
         let b = Attention::<f64>::new_seeded(config, seed).unwrap();
         prop_assert_eq!(&a, &b);
@@ -207,7 +211,7 @@ proptest! {
 
 #[test]
 fn seeded_weights_fill_the_xavier_interval() {
-    let config = AttentionConfig::new(64, 64, 32);
+    let config = AttentionConfig::new(64, 1).with_value_dim(32);
     let layer = Attention::<f64>::new_seeded(config, 2024).unwrap();
     let bound = (6.0_f64 / 128.0).sqrt();
     let w = layer.parameters().w_q.view();
@@ -226,7 +230,7 @@ fn seeded_weights_fill_the_xavier_interval() {
 
 #[test]
 fn different_seeds_give_different_weights() {
-    let config = AttentionConfig::new(8, 4, 4);
+    let config = AttentionConfig::new(8, 1).with_head_dim(4);
     let a = Attention::<f32>::new_seeded(config, 1).unwrap();
     let b = Attention::<f32>::new_seeded(config, 2).unwrap();
     assert_ne!(a.parameters().w_q.view(), b.parameters().w_q.view());
@@ -240,7 +244,12 @@ fn from_projections_keeps_the_weights_and_reads_the_config() {
     let w_k = Array2::from_shape_fn((3, 2), |(i, j)| (i + j) as f64 * 0.5);
     let w_v = Array2::from_shape_fn((3, 5), |(i, j)| (i * j) as f64 - 1.0);
     let layer = Attention::from_projections(w_q.clone(), w_k.clone(), w_v.clone()).unwrap();
-    assert_eq!(layer.config(), AttentionConfig::new(3, 2, 5));
+    assert_eq!(
+        layer.config(),
+        AttentionConfig::new(3, 1)
+            .with_head_dim(2)
+            .with_value_dim(5)
+    );
     assert_eq!(layer.parameters().w_q.view(), w_q);
     assert_eq!(layer.parameters().w_k.view(), w_k);
     assert_eq!(layer.parameters().w_v.view(), w_v);
@@ -264,7 +273,9 @@ fn hand_computed_single_position_is_its_value() {
 
 #[test]
 fn attention_with_causal_options_equals_causal_attention() {
-    let config = AttentionConfig::new(5, 3, 4);
+    let config = AttentionConfig::new(5, 1)
+        .with_head_dim(3)
+        .with_value_dim(4);
     let bidirectional = Attention::<f64>::new_seeded(config, 11).unwrap();
     let causal = CausalAttention::<f64>::new_seeded(config, 11).unwrap();
     let x = Array2::from_shape_fn((6, 5), |(i, j)| ((i * 5 + j) % 7) as f64 * 0.3 - 1.0);
@@ -283,16 +294,24 @@ fn attention_with_causal_options_equals_causal_attention() {
 
 #[test]
 fn config_setters_replace_one_field() {
-    let config = AttentionConfig::new(1, 2, 3)
+    let config = AttentionConfig::new(1, 1)
+        .with_head_dim(2)
+        .with_value_dim(3)
         .with_d_model(10)
-        .with_d_k(20)
-        .with_d_v(30);
-    assert_eq!((config.d_model, config.d_k, config.d_v), (10, 20, 30));
+        .with_head_dim(20)
+        .with_value_dim(30);
+    assert_eq!((config.d_model, config.d_k(), config.d_v()), (10, 20, 30));
 }
 
 #[test]
 fn empty_sequence_and_empty_batch_are_valid() {
-    let layer = CausalAttention::<f32>::new_seeded(AttentionConfig::new(4, 3, 2), 0).unwrap();
+    let layer = CausalAttention::<f32>::new_seeded(
+        AttentionConfig::new(4, 1)
+            .with_head_dim(3)
+            .with_value_dim(2),
+        0,
+    )
+    .unwrap();
     let empty_sequence = Array2::<f32>::zeros((0, 4));
     assert_eq!(layer.forward(empty_sequence.view()).unwrap().dim(), (0, 2));
     let empty_batch = Array3::<f32>::zeros((0, 5, 4));
@@ -392,26 +411,33 @@ fn from_projections_zero_d_v() {
 
 #[test]
 fn new_seeded_zero_d_model() {
-    let result = Attention::<f32>::new_seeded(AttentionConfig::new(0, 2, 2), 0);
+    let result = Attention::<f32>::new_seeded(AttentionConfig::new(0, 1).with_head_dim(2), 0);
     assert_error(result, ErrorKind::ZeroDimension, &["d_model = 0"]);
 }
 
 #[test]
 fn new_seeded_zero_d_k() {
-    let result = CausalAttention::<f32>::new_seeded(AttentionConfig::new(2, 0, 2), 0);
+    let result = CausalAttention::<f32>::new_seeded(
+        AttentionConfig::new(2, 1)
+            .with_head_dim(0)
+            .with_value_dim(2),
+        0,
+    );
     assert_error(result, ErrorKind::ZeroDimension, &["d_k = 0"]);
 }
 
 #[test]
 fn new_seeded_zero_d_v() {
-    let result = Attention::<f64>::new_seeded(AttentionConfig::new(2, 2, 0), 0);
+    let result = Attention::<f64>::new_seeded(AttentionConfig::new(2, 1).with_value_dim(0), 0);
     assert_error(result, ErrorKind::ZeroDimension, &["d_v = 0"]);
 }
 
 #[test]
 fn new_seeded_with_d_k_too_large_to_address() {
     // W^Q [8, usize::MAX / 2]: more elements than can be addressed.
-    let config = AttentionConfig::new(8, usize::MAX / 2, 4);
+    let config = AttentionConfig::new(8, 1)
+        .with_head_dim(usize::MAX / 2)
+        .with_value_dim(4);
     let result = Attention::<f32>::new_seeded(config, 0);
     assert_error(
         result,
@@ -423,15 +449,20 @@ fn new_seeded_with_d_k_too_large_to_address() {
     // With four heads, heads·d_k overflows before any shape is formed.
     let result = CausalAttention::<f32>::new_seeded(config.with_heads(4), 0);
     assert_error(result, ErrorKind::TooLarge, &["heads·d_k", "overflows"]);
-    let result =
-        Attention::<f32>::new_seeded(config.with_d_k(4).with_d_v(usize::MAX / 2).with_heads(4), 0);
+    let result = Attention::<f32>::new_seeded(
+        config
+            .with_head_dim(4)
+            .with_value_dim(usize::MAX / 2)
+            .with_heads(4),
+        0,
+    );
     assert_error(result, ErrorKind::TooLarge, &["heads·d_v", "overflows"]);
 }
 
 #[test]
 fn new_seeded_past_memory() {
     // W^Q [2^40, 4] in f32: 16 TiB.
-    let result = Attention::<f32>::new_seeded(AttentionConfig::new(1 << 40, 4, 4), 0);
+    let result = Attention::<f32>::new_seeded(AttentionConfig::new(1 << 40, 1).with_head_dim(4), 0);
     assert_error(
         result,
         ErrorKind::OutOfMemory,
@@ -462,11 +493,23 @@ fn forward_of_an_input_past_memory_or_too_large() {
 }
 
 fn layer() -> Attention<f64> {
-    Attention::new_seeded(AttentionConfig::new(4, 3, 2), 5).unwrap()
+    Attention::new_seeded(
+        AttentionConfig::new(4, 1)
+            .with_head_dim(3)
+            .with_value_dim(2),
+        5,
+    )
+    .unwrap()
 }
 
 fn causal_layer() -> CausalAttention<f64> {
-    CausalAttention::new_seeded(AttentionConfig::new(4, 3, 2), 5).unwrap()
+    CausalAttention::new_seeded(
+        AttentionConfig::new(4, 1)
+            .with_head_dim(3)
+            .with_value_dim(2),
+        5,
+    )
+    .unwrap()
 }
 
 #[test]
@@ -608,7 +651,7 @@ fn multi_head_reference(
     let k = project(x_kv, &weights.w_k, &weights.b_k);
     let v = project(x_kv, &weights.w_v, &weights.b_v);
     let (batch, len_q, len_kv) = (x_q.dim().0, x_q.dim().1, x_kv.dim().1);
-    let (heads, d_k, d_v) = (config.heads, config.d_k, config.d_v);
+    let (heads, d_k, d_v) = (config.heads, config.d_k(), config.d_v());
     let group = heads / config.kv_heads;
     let q4 = Array4::from_shape_fn((batch, heads, len_q, d_k), |(n, h, i, c)| {
         q[[n, i, h * d_k + c]]
@@ -660,8 +703,9 @@ fn multi_head_case(
                 (d_model_kv, d_model_out, bias),
                 (batch, len_q, len_kv, seed),
             )| {
-                let mut config = AttentionConfig::new(d_model, d_k, d_v)
-                    .with_heads(kv_heads * group)
+                let mut config = AttentionConfig::new(d_model, kv_heads * group)
+                    .with_head_dim(d_k)
+                    .with_value_dim(d_v)
                     .with_kv_heads(kv_heads)
                     .with_bias(bias);
                 config.d_model_kv = d_model_kv;
@@ -748,10 +792,10 @@ proptest! {
             ndarray::Array1::from_shape_fn(config.heads * d, |c| b[(c / d / group) * d + c % d])
         };
         let mut expanded = weights.clone();
-        expanded.w_k = repeat(&weights.w_k, config.d_k);
-        expanded.w_v = repeat(&weights.w_v, config.d_v);
-        expanded.b_k = weights.b_k.as_ref().map(|b| repeat_bias(b, config.d_k));
-        expanded.b_v = weights.b_v.as_ref().map(|b| repeat_bias(b, config.d_v));
+        expanded.w_k = repeat(&weights.w_k, config.d_k());
+        expanded.w_v = repeat(&weights.w_v, config.d_v());
+        expanded.b_k = weights.b_k.as_ref().map(|b| repeat_bias(b, config.d_k()));
+        expanded.b_v = weights.b_v.as_ref().map(|b| repeat_bias(b, config.d_v()));
         let grouped = CausalAttention::new(config, weights).unwrap();
         let full = CausalAttention::new(config.with_kv_heads(config.heads), expanded).unwrap();
         assert_abs_diff_eq!(
@@ -839,13 +883,13 @@ proptest! {
             w.dim() == dim && w.iter().all(|x| x.abs() <= bound)
         };
         let (d_model, heads, kv_heads) = (config.d_model, config.heads, config.kv_heads);
-        prop_assert!(within(a.parameters().w_q.view(), (d_model, heads * config.d_k)));
-        prop_assert!(within(a.parameters().w_k.view(), (d_model, kv_heads * config.d_k)));
-        prop_assert!(within(a.parameters().w_v.view(), (d_model, kv_heads * config.d_v)));
+        prop_assert!(within(a.parameters().w_q.view(), (d_model, heads * config.d_k())));
+        prop_assert!(within(a.parameters().w_k.view(), (d_model, kv_heads * config.d_k())));
+        prop_assert!(within(a.parameters().w_v.view(), (d_model, kv_heads * config.d_v())));
         let p = a.parameters();
         prop_assert_eq!(p.w_o.is_some(), config.d_model_out.is_some());
         if let (Some(w_o), Some(d_model_out)) = (&p.w_o, config.d_model_out) {
-            prop_assert!(within(w_o.view(), (heads * config.d_v, d_model_out)));
+            prop_assert!(within(w_o.view(), (heads * config.d_v(), d_model_out)));
         }
         // Biases start at zero and do not change the draws.
         prop_assert_eq!(p.b_q.is_some(), config.bias);
@@ -861,7 +905,9 @@ proptest! {
 
 #[test]
 fn a_single_head_config_is_the_seed_layer() {
-    let config = AttentionConfig::new(5, 3, 4);
+    let config = AttentionConfig::new(5, 1)
+        .with_head_dim(3)
+        .with_value_dim(4);
     assert_eq!((config.heads, config.kv_heads), (1, 1));
     assert_eq!(
         (config.d_model_kv, config.d_model_out, config.bias),
@@ -884,8 +930,8 @@ fn a_single_head_config_is_the_seed_layer() {
 
 #[test]
 fn multi_head_config_setters() {
-    let config = AttentionConfig::new(512, 64, 32)
-        .with_heads(8)
+    let config = AttentionConfig::new(512, 8)
+        .with_value_dim(32)
         .with_kv_heads(2)
         .with_d_model_kv(256)
         .with_output_projection(384)
@@ -897,7 +943,7 @@ fn multi_head_config_setters() {
     // `with_heads` sets both head counts: plain multi-head attention.
     assert_eq!(config.with_heads(4).kv_heads, 4);
     assert_eq!(
-        AttentionConfig::new(8, 2, 3).with_heads(4).output_width(),
+        AttentionConfig::new(8, 4).with_value_dim(3).output_width(),
         12
     );
 }
@@ -906,9 +952,7 @@ fn multi_head_config_setters() {
 fn hand_computed_two_heads() {
     // d_model = 2, two heads of d_k = d_v = 1: head 0 reads input column 0,
     // head 1 column 1; W^O swaps the heads.
-    let config = AttentionConfig::new(2, 1, 1)
-        .with_heads(2)
-        .with_output_projection(2);
+    let config = AttentionConfig::new(2, 2).with_output_projection(2);
     let eye = Array2::<f64>::eye(2);
     let swap = ndarray::array![[0.0, 1.0], [1.0, 0.0]];
     let weights = LayerParameters::new(eye.clone(), eye.clone(), eye).with_output(swap);
@@ -934,7 +978,8 @@ fn biases_are_added_to_each_projection() {
     // Zero weights: queries and keys are their biases, so every score is
     // equal and each output is the mean of the value biases (b_v), then
     // projected: b_v·W^O + b_o.
-    let config = AttentionConfig::new(3, 2, 2)
+    let config = AttentionConfig::new(3, 1)
+        .with_head_dim(2)
         .with_output_projection(1)
         .with_bias(true);
     let weights = LayerParameters::new(
@@ -961,8 +1006,8 @@ fn biases_are_added_to_each_projection() {
 
 #[test]
 fn multi_head_empty_inputs_are_valid() {
-    let config = AttentionConfig::new(4, 2, 3)
-        .with_heads(2)
+    let config = AttentionConfig::new(4, 2)
+        .with_value_dim(3)
         .with_d_model_kv(5)
         .with_output_projection(6);
     let layer = Attention::<f32>::new_seeded(config, 0).unwrap();
@@ -976,7 +1021,7 @@ fn multi_head_empty_inputs_are_valid() {
     let x_q = Array3::<f32>::ones((2, 3, 4));
     let no_keys = Array3::<f32>::zeros((2, 0, 5));
     let y = layer.forward_cross(x_q.view(), no_keys.view()).unwrap();
-    assert_eq!(y, Array3::zeros((2, 3, 6)));
+    assert_eq!(y, Array3::<f32>::zeros((2, 3, 6)));
 }
 
 // --- multi-head errors, one test per case -----------------------------------
@@ -985,8 +1030,9 @@ fn multi_head_empty_inputs_are_valid() {
 /// projection to 5 and biases: `W^Q` [4, 6], `W^K` [4, 6], `W^V` [4, 4],
 /// `W^O` [4, 5], `b_q` [6], `b_k` [6], `b_v` [4], `b_o` [5].
 fn two_head_config() -> AttentionConfig {
-    AttentionConfig::new(4, 3, 2)
-        .with_heads(2)
+    AttentionConfig::new(4, 2)
+        .with_head_dim(3)
+        .with_value_dim(2)
         .with_output_projection(5)
         .with_bias(true)
 }
@@ -997,7 +1043,7 @@ fn two_head_parameters() -> LayerParameters<f64> {
 
 #[test]
 fn new_zero_heads() {
-    let config = AttentionConfig::new(4, 2, 2).with_heads(0);
+    let config = AttentionConfig::new(4, 0).with_head_dim(2);
     assert_error(
         Attention::<f64>::new_seeded(config, 0),
         ErrorKind::ZeroDimension,
@@ -1007,7 +1053,7 @@ fn new_zero_heads() {
 
 #[test]
 fn new_zero_kv_heads() {
-    let config = AttentionConfig::new(4, 2, 2).with_heads(2).with_kv_heads(0);
+    let config = AttentionConfig::new(4, 2).with_kv_heads(0);
     assert_error(
         CausalAttention::<f32>::new_seeded(config, 0),
         ErrorKind::ZeroDimension,
@@ -1017,7 +1063,7 @@ fn new_zero_kv_heads() {
 
 #[test]
 fn new_heads_not_a_multiple_of_kv_heads() {
-    let config = AttentionConfig::new(4, 2, 2).with_heads(6).with_kv_heads(4);
+    let config = AttentionConfig::new(4, 6).with_head_dim(2).with_kv_heads(4);
     assert_error(
         Attention::<f64>::new_seeded(config, 0),
         ErrorKind::HeadsNotDivisible,
@@ -1027,7 +1073,9 @@ fn new_heads_not_a_multiple_of_kv_heads() {
 
 #[test]
 fn new_zero_d_model_out() {
-    let config = AttentionConfig::new(4, 2, 2).with_output_projection(0);
+    let config = AttentionConfig::new(4, 1)
+        .with_head_dim(2)
+        .with_output_projection(0);
     assert_error(
         Attention::<f64>::new_seeded(config, 0),
         ErrorKind::ZeroDimension,
@@ -1037,7 +1085,9 @@ fn new_zero_d_model_out() {
 
 #[test]
 fn new_zero_d_model_kv() {
-    let config = AttentionConfig::new(4, 2, 2).with_d_model_kv(0);
+    let config = AttentionConfig::new(4, 1)
+        .with_head_dim(2)
+        .with_d_model_kv(0);
     assert_error(
         Attention::<f64>::new_seeded(config, 0),
         ErrorKind::ZeroDimension,
@@ -1180,7 +1230,9 @@ fn new_output_bias_wrong_length() {
 
 #[test]
 fn causal_layer_with_its_own_key_value_width() {
-    let config = AttentionConfig::new(4, 2, 2).with_d_model_kv(6);
+    let config = AttentionConfig::new(4, 1)
+        .with_head_dim(2)
+        .with_d_model_kv(6);
     assert_error(
         CausalAttention::<f64>::new_seeded(config, 0),
         ErrorKind::ShapeMismatch,
@@ -1190,7 +1242,9 @@ fn causal_layer_with_its_own_key_value_width() {
 
 #[test]
 fn self_attention_on_a_cross_attention_layer() {
-    let config = AttentionConfig::new(4, 2, 2).with_d_model_kv(6);
+    let config = AttentionConfig::new(4, 1)
+        .with_head_dim(2)
+        .with_d_model_kv(6);
     let layer = Attention::<f64>::new_seeded(config, 0).unwrap();
     let x = Array3::zeros((1, 3, 4));
     assert_error(
@@ -1213,7 +1267,9 @@ fn forward_cross_query_width() {
 
 #[test]
 fn forward_cross_key_value_width() {
-    let config = AttentionConfig::new(4, 2, 2).with_d_model_kv(6);
+    let config = AttentionConfig::new(4, 1)
+        .with_head_dim(2)
+        .with_d_model_kv(6);
     let layer = Attention::<f64>::new_seeded(config, 0).unwrap();
     let (x_q, x_kv) = (Array3::zeros((1, 2, 4)), Array3::zeros((1, 3, 4)));
     assert_error(
@@ -1266,7 +1322,7 @@ fn weights_reference(
     let q = project(x_q, &weights.w_q, &weights.b_q);
     let k = project(x_kv, &weights.w_k, &weights.b_k);
     let (batch, len_q, len_kv) = (x_q.dim().0, x_q.dim().1, x_kv.dim().1);
-    let (heads, d_k) = (config.heads, config.d_k);
+    let (heads, d_k) = (config.heads, config.d_k());
     let group = heads / config.kv_heads;
     let q4 = Array4::from_shape_fn((batch, heads, len_q, d_k), |(n, h, i, c)| {
         q[[n, i, h * d_k + c]]
@@ -1337,7 +1393,7 @@ proptest! {
         let (y, w) = layer.forward_batch_with_weights(x.view(), &AttentionOptions::new()).unwrap();
         let (batch, len, _) = x.dim();
         let group = config.heads / config.kv_heads;
-        let d_v = config.d_v;
+        let d_v = config.d_v();
         let v = x.to_shape((batch * len, config.d_model)).unwrap().dot(&weights.w_v)
             + weights.b_v.clone().unwrap_or_else(|| ndarray::Array1::zeros(config.kv_heads * d_v));
         let v = v.into_shape_with_order((batch, len, config.kv_heads * d_v)).unwrap();
@@ -1351,7 +1407,10 @@ proptest! {
 
 #[test]
 fn f32_weights_agree_with_f64() {
-    let config = AttentionConfig::new(6, 3, 2).with_heads(4).with_kv_heads(2);
+    let config = AttentionConfig::new(6, 4)
+        .with_head_dim(3)
+        .with_value_dim(2)
+        .with_kv_heads(2);
     let l32 = CausalAttention::<f32>::new_seeded(config, 5).unwrap();
     let l64 = CausalAttention::<f64>::new_seeded(config, 5).unwrap();
     let x = Array2::from_shape_fn((7, 6), |(i, j)| ((i * 7 + j * 3) % 11) as f64 * 0.2 - 1.0);
@@ -1367,8 +1426,7 @@ fn f32_weights_agree_with_f64() {
 
 #[test]
 fn weights_follow_the_window_option() {
-    let layer =
-        CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 2, 2).with_heads(2), 8).unwrap();
+    let layer = CausalAttention::<f64>::new_seeded(AttentionConfig::new(4, 2), 8).unwrap();
     let x = Array2::from_shape_fn((6, 4), |(i, j)| (i + j) as f64 * 0.1);
     let (_, w) = layer
         .forward_with_weights(x.view(), &AttentionOptions::new().window(2))
@@ -1422,7 +1480,7 @@ fn weights_methods_report_bad_shapes() {
 #[test]
 fn an_empty_batch_of_huge_inputs_is_empty_or_too_large() {
     let layer =
-        Attention::<f32>::new_seeded(AttentionConfig::new(4, 2, 8).with_heads(2), 1).unwrap();
+        Attention::<f32>::new_seeded(AttentionConfig::new(4, 2).with_value_dim(8), 1).unwrap();
     let empty = Array3::<f32>::zeros((0, 1, 4));
     let x = empty.broadcast((0, 1 << 20, 4)).unwrap();
     assert_eq!(layer.forward_batch(x).unwrap().shape(), &[0, 1 << 20, 16]);

@@ -5,13 +5,18 @@
 
 mod common;
 
+mod config;
+
 mod backward;
+#[cfg(feature = "safetensors")]
+mod checkpoints;
 mod errors;
 mod fast_path;
 mod fused_backward;
 mod fuzz;
 mod kv_cache;
 mod layer_gradients;
+mod layer_layouts;
 mod layers;
 mod mask_rank;
 mod partials;

@@ -171,7 +171,7 @@ fn single_sequence_empty_keys_give_zeros() {
     let v = Array2::<f64>::zeros((0, 4));
     let y =
         single_sequence_attention(q.view(), k.view(), v.view(), &AttentionOptions::new()).unwrap();
-    assert_eq!(y, Array2::zeros((3, 4)));
+    assert_eq!(y, Array2::<f64>::zeros((3, 4)));
 }
 
 // --- errors, one test per case ----------------------------------------------
