@@ -18,6 +18,7 @@ mod gradients;
 mod kv_cache;
 mod layer;
 mod mask;
+mod modifiers;
 mod options;
 mod parallel;
 mod partial;
@@ -34,6 +35,7 @@ pub use kv_cache::KvCache;
 pub use layer::{
     Attention, AttentionConfig, CausalAttention, ForwardCache, LayerGradients, LayerParameters,
 };
+pub use modifiers::alibi_slopes;
 pub use options::{AttentionOptions, CausalAlignment};
 pub use partial::AttentionPartial;
 pub use sequence::{simple_self_attention, single_sequence_attention};
@@ -198,5 +200,6 @@ pub fn scaled_dot_product_attention_backward<F: Element>(
     let call = call::check_backward(call::check(&q, &k, &v, opts)?, forward, &d_out)?;
     let mut gradients = AttentionGradients::zeros(&call.forward)?;
     F::backward(&call, gradients.view_mut())?;
+    gradients.d_sinks = modifiers::sink_gradients(&call)?;
     Ok(gradients)
 }

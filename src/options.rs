@@ -68,6 +68,10 @@ pub struct AttentionOptions<'a, F> {
     pub(crate) key_lengths: Option<&'a [usize]>,
     pub(crate) window: Option<usize>,
     pub(crate) key_shard: Option<KeyShard>,
+    /// Score modifiers (`modifiers.rs`): ALiBi slopes and sink logits,
+    /// one per query head.
+    pub(crate) alibi: Option<&'a [F]>,
+    pub(crate) sinks: Option<&'a [F]>,
 }
 
 impl<F> Default for AttentionOptions<'_, F> {
@@ -80,6 +84,8 @@ impl<F> Default for AttentionOptions<'_, F> {
             key_lengths: None,
             window: None,
             key_shard: None,
+            alibi: None,
+            sinks: None,
         }
     }
 }
@@ -174,6 +180,67 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
         });
         self
     }
+
+    /// ALiBi (Press et al., BLOOM, MPT): adds `−slope_h·(p_i − j)` to the
+    /// scaled scores of query head `h`, where `j` is the key's position in
+    /// the whole sequence (see [`key_shard`](Self::key_shard)) and
+    /// `p_i = i + total_len_kv − len_q` the query's bottom-right aligned
+    /// position (its own position in a KV cache). Computed per tile from
+    /// the positions, never stored as a `len_q × len_kv` matrix.
+    ///
+    /// One slope per query head (`slopes.len() == heads`, each finite; the
+    /// call returns an error otherwise); [`alibi_slopes`](crate::alibi_slopes)
+    /// gives the standard ones. Bidirectionally, a key after the query gets
+    /// `+slope·(j − p_i)`: the bias is `slope·j − slope·p_i`, and the
+    /// softmax drops the row's constant `slope·p_i`, so every row's weights
+    /// are those of BLOOM's `build_alibi_tensor`, which adds `slope·j`.
+    ///
+    /// ```
+    /// use ndarray::Array4;
+    /// use sdpa::{alibi_slopes, AttentionOptions};
+    ///
+    /// let slopes: Vec<f64> = alibi_slopes(2);
+    /// let x = Array4::<f64>::zeros((1, 2, 3, 4));
+    /// let w = sdpa::core::attention_weights(x.view(), x.view(), &AttentionOptions::new().causal().alibi(&slopes))?;
+    /// // The last query sees keys 0..=2 with weights ∝ e^(−slope·distance).
+    /// let ratio = w[[0, 0, 2, 1]] / w[[0, 0, 2, 2]];
+    /// assert!((ratio - (-slopes[0]).exp()).abs() < 1e-12);
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn alibi(mut self, slopes: &'a [F]) -> Self {
+        self.alibi = Some(slopes);
+        self
+    }
+
+    /// Attention sinks (gpt-oss): for each query head `h` a learned logit
+    /// `sinks[h]` joins the softmax's denominator as a virtual key that
+    /// holds no value, so a row's weights sum to less than 1:
+    /// `P_ij = e^(S_ij) / (e^(sinks[h]) + Σ_j e^(S_ij))`. The logit is not
+    /// scaled, biased or masked. One finite logit per query head; the call
+    /// returns an error otherwise.
+    ///
+    /// A row that sees no key outputs zeros and has log-sum-exp `sinks[h]`
+    /// (the sink takes all the weight). With
+    /// [`key_shard`](Self::key_shard), only the shard holding key 0 of the
+    /// whole sequence counts the sink (with no keys at all, a shard at
+    /// offset 0), so merging the shards' partials counts it once and gives
+    /// the unsplit call's result; the backward's `d_sinks` is likewise
+    /// that shard's, and zeros for the others.
+    ///
+    /// ```
+    /// use ndarray::Array4;
+    /// use sdpa::AttentionOptions;
+    ///
+    /// let x = Array4::<f64>::zeros((1, 1, 1, 3));
+    /// let w = sdpa::core::attention_weights(x.view(), x.view(), &AttentionOptions::new().sinks(&[0.0]))?;
+    /// // One key of score 0 against a sink of logit 0: half the weight each.
+    /// assert!((w[[0, 0, 0, 0]] - 0.5).abs() < 1e-15);
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn sinks(mut self, logits: &'a [F]) -> Self {
+        self.sinks = Some(logits);
+        self
+    }
 }
 
 impl<F: Copy> AttentionOptions<'_, F> {
@@ -188,6 +255,8 @@ impl<F: Copy> AttentionOptions<'_, F> {
             key_lengths: self.key_lengths,
             window: self.window,
             key_shard: self.key_shard,
+            alibi: self.alibi,
+            sinks: self.sinks,
         }
     }
 }

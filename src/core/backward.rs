@@ -125,6 +125,7 @@ pub fn scaled_dot_product_attention_backward<F: Element>(
     let call = call::check_backward(call::check(&q, &k, &v, opts)?, forward, &d_out)?;
     let mut gradients = AttentionGradients::zeros(&call.forward)?;
     backward(&call, gradients.view_mut())?;
+    gradients.d_sinks = crate::modifiers::sink_gradients(&call)?;
     Ok(gradients)
 }
 
@@ -176,6 +177,7 @@ pub(crate) fn backward<F: Element>(
             for i in 0..shape.len_q {
                 let visible = forward.visible_keys(b, h, i);
                 let bias = forward.bias_row(b, h, i);
+                let alibi = forward.alibi(h, i);
                 let lse = log_sum_exp[[b, h, i]];
                 let mut p_row = probabilities.row_mut(i);
                 let mut ds_row = d_scores.row_mut(i);
@@ -198,6 +200,10 @@ pub(crate) fn backward<F: Element>(
                                 biased(*p, bias[broadcast(bias.len(), visible.key_offset + j)])
                             }
                             None => *p,
+                        };
+                        let score = match alibi {
+                            Some(alibi) => score + alibi.bias(j),
+                            None => score,
                         };
                         (score - lse).exp()
                     } else {

@@ -33,7 +33,7 @@ use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis, s};
 
 use super::pack::{PackedHead, QueryRows};
 use super::scratch::Scratch;
-use super::tile::{TilePosition, TileSpan, add_bias, mask};
+use super::tile::{TilePosition, TileSpan, add_alibi, add_bias, mask};
 use super::{KEY_TILE, QUERY_TILE};
 use crate::alloc::{element_count, try_zeros};
 use crate::call::{AttentionShape, BackwardCall, head, head_mut};
@@ -320,6 +320,7 @@ impl TileBuffers {
             KEY_TILE,
         );
         add_bias(p, at, j0, forward);
+        add_alibi(p, at, j0, forward);
         if span.needs_mask(j0, forward) {
             mask(p, at, j0, forward);
         }

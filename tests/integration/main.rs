@@ -13,6 +13,7 @@ mod fuzz;
 mod kv_cache;
 mod layer_gradients;
 mod layers;
+mod modifiers;
 mod partials;
 mod properties;
 mod reliability;
