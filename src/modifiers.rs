@@ -6,7 +6,8 @@
 //! The order of operations on a score, on every path:
 //!
 //! ```text
-//! S_ij = scale·q_i·k_j  (+ bias_ij, a −inf bias hides the key)  − slope_h·(p_i − j)
+//! s_ij = scale·q_i·k_j,  then  cap·tanh(s_ij/cap)  with a softcap (finite s only)
+//! S_ij = s_ij  (+ bias_ij, a −inf bias hides the key)  − slope_h·(p_i − j)
 //! masked keys: weight exactly 0, by selection
 //! P_ij = e^(S_ij) / (e^(sink_h) + Σ_j e^(S_ij)),   lse_i = log(e^(sink_h) + Σ_j e^(S_ij))
 //! ```
@@ -23,7 +24,8 @@
 //! ```
 //!
 //! and the keys' `dS = P ∘ (dP − D)` is unchanged (the sink holds no
-//! value, so `D_i` is still `Σ_j P_ij·dP_ij`).
+//! value, so `D_i` is still `Σ_j P_ij·dP_ij`). A softcap multiplies the
+//! gradient of `s_ij` by `1 − tanh²(s_ij/cap)` ([`softcapped`]).
 //!
 //! Below both paths: imports only the call, the options and the errors.
 
@@ -88,7 +90,27 @@ pub(crate) fn check<F: Element>(
             ));
         }
     }
+    if let Some(cap) = opts.softcap
+        && !(cap.is_finite() && cap > F::zero())
+    {
+        return Err(AttentionError::new(
+            ErrorKind::InvalidOption,
+            format!("softcap must be positive and finite, got {cap}"),
+        ));
+    }
     Ok(())
+}
+
+/// `cap·tanh(score/cap)` for a finite score; a non-finite score unchanged.
+/// Also returns the derivative `1 − tanh²(score/cap)` (1 when unchanged).
+#[inline]
+pub(crate) fn softcapped<F: Float>(score: F, cap: F) -> (F, F) {
+    if score.is_finite() {
+        let t = (score / cap).tanh();
+        (cap * t, F::one() - t * t)
+    } else {
+        (score, F::one())
+    }
 }
 
 /// ALiBi for one query row: the bias of the call's key `j` is

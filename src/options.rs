@@ -72,6 +72,7 @@ pub struct AttentionOptions<'a, F> {
     /// one per query head.
     pub(crate) alibi: Option<&'a [F]>,
     pub(crate) sinks: Option<&'a [F]>,
+    pub(crate) softcap: Option<F>,
 }
 
 impl<F> Default for AttentionOptions<'_, F> {
@@ -86,6 +87,7 @@ impl<F> Default for AttentionOptions<'_, F> {
             key_shard: None,
             alibi: None,
             sinks: None,
+            softcap: None,
         }
     }
 }
@@ -241,6 +243,34 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
         self.sinks = Some(logits);
         self
     }
+
+    /// Logit softcapping (Gemma 2, Grok-1): each scaled score `s` becomes
+    /// `cap·tanh(s/cap)` before the bias, ALiBi and the mask are applied,
+    /// the order of Hugging Face's Gemma 2 eager attention (scale, cap,
+    /// then the additive mask). A non-finite score passes unchanged, so
+    /// non-finite data behave as without a cap. `cap` must be positive and
+    /// finite; the call returns an error otherwise. The backward applies
+    /// its derivative `1 − tanh²(s/cap)` to the scores' gradient (the
+    /// bias's gradient is taken after the cap, where the bias is added).
+    ///
+    /// `f32` calls with a softcap run the reference path (`core`) for now;
+    /// the fused kernels do not cap yet.
+    ///
+    /// ```
+    /// use ndarray::Array4;
+    /// use sdpa::AttentionOptions;
+    ///
+    /// let q = Array4::<f64>::from_elem((1, 1, 1, 1), 100.0);
+    /// let k = Array4::<f64>::from_shape_vec((1, 1, 2, 1), vec![1.0, 0.0]).unwrap();
+    /// let w = sdpa::core::attention_weights(q.view(), k.view(), &AttentionOptions::new().softcap(1.0))?;
+    /// // Scores 100 and 0 are capped to tanh(100) ≈ 1 and 0.
+    /// assert!((w[[0, 0, 0, 0]] - 1f64.exp() / (1f64.exp() + 1.0)).abs() < 1e-12);
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn softcap(mut self, cap: F) -> Self {
+        self.softcap = Some(cap);
+        self
+    }
 }
 
 impl<F: Copy> AttentionOptions<'_, F> {
@@ -257,6 +287,7 @@ impl<F: Copy> AttentionOptions<'_, F> {
             key_shard: self.key_shard,
             alibi: self.alibi,
             sinks: self.sinks,
+            softcap: self.softcap,
         }
     }
 }

@@ -38,6 +38,7 @@ use crate::element::Element;
 use crate::error::AttentionError;
 use crate::gradients::{AttentionGradients, GradientsViewMut};
 use crate::mask::{biased, broadcast};
+use crate::modifiers::softcapped;
 use crate::options::AttentionOptions;
 use crate::partial::AttentionPartial;
 
@@ -163,6 +164,11 @@ pub(crate) fn backward<F: Element>(
     let scores_dim = (shape.len_q, shape.len_kv);
     let mut probabilities: Array2<F> = try_zeros("the backward's weights", scores_dim)?;
     let mut d_scores: Array2<F> = try_zeros("the backward's score gradients", scores_dim)?;
+    // With a softcap, each score's `1 − tanh²(s/cap)`.
+    let mut softcap_slopes: Option<Array2<F>> = match forward.opts.softcap {
+        Some(_) => Some(try_zeros("the softcap's derivatives", scores_dim)?),
+        None => None,
+    };
     for b in 0..shape.batch {
         for h in 0..shape.heads {
             let kv_h = shape.kv_head(h);
@@ -195,6 +201,13 @@ pub(crate) fn backward<F: Element>(
                     .fold(F::zero(), |sum, (&o, &d_o)| sum + o * d_o);
                 for (j, (p, ds)) in p_row.iter_mut().zip(ds_row.iter_mut()).enumerate() {
                     *p = if visible.contains(j) {
+                        if let (Some(cap), Some(slopes)) =
+                            (forward.opts.softcap, softcap_slopes.as_mut())
+                        {
+                            let (capped, slope) = softcapped(*p, cap);
+                            *p = capped;
+                            slopes[[i, j]] = slope;
+                        }
                         let score = match &bias {
                             Some(bias) => {
                                 biased(*p, bias[broadcast(bias.len(), visible.key_offset + j)])
@@ -217,6 +230,19 @@ pub(crate) fn backward<F: Element>(
                         F::zero()
                     };
                 }
+            }
+
+            // The bias is added after the cap: its gradient is dS itself,
+            // the capped score's; the product's gradient is dS·(1 − tanh²).
+            if let Some(d_bias) = d_bias.as_mut() {
+                accumulate_bias_gradient(d_bias, d_scores.view(), b, h, forward.key_offset());
+            }
+            if let Some(slopes) = &softcap_slopes {
+                d_scores.zip_mut_with(slopes, |ds, &slope| {
+                    if *ds != F::zero() {
+                        *ds = *ds * slope;
+                    }
+                });
             }
 
             // dV += Pᵀ·dO and dK += scale·dSᵀ·Q over the heads sharing kv_h.
@@ -242,10 +268,6 @@ pub(crate) fn backward<F: Element>(
                 F::zero(),
                 head_mut(&mut d_q, b, h),
             );
-
-            if let Some(d_bias) = d_bias.as_mut() {
-                accumulate_bias_gradient(d_bias, d_scores.view(), b, h, forward.key_offset());
-            }
         }
     }
     Ok(())

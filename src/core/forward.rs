@@ -16,7 +16,7 @@ use crate::call::{Call, head, head_mut};
 use crate::element::Element;
 use crate::error::AttentionError;
 use crate::mask::{VisibleKeys, biased, broadcast};
-use crate::modifiers::{AlibiRow, apply_sink};
+use crate::modifiers::{AlibiRow, apply_sink, softcapped};
 
 /// Weights held at once per head, in elements: the reference computes a
 /// block of query rows at a time, so its memory is bounded (8 MiB in `f64`)
@@ -95,8 +95,11 @@ pub(crate) fn rows_weights<F: Element>(
         }
         let visible = call.visible_keys(b, h, i);
         let bias = call.bias_row(b, h, i);
-        let alibi = call.alibi(h, i);
-        let mut lse = softmax_row(row.view_mut(), &visible, bias.as_ref(), alibi);
+        let modifiers = RowModifiers {
+            softcap: call.opts.softcap,
+            alibi: call.alibi(h, i),
+        };
+        let mut lse = softmax_row(row.view_mut(), &visible, bias.as_ref(), modifiers);
         // Every visible score −inf: a row that saw nothing, unless a key the
         // bias does not hide is among them (the shared rule of `mask.rs`):
         // then its output is NaN, and its log-sum-exp stays −inf.
@@ -113,6 +116,13 @@ pub(crate) fn rows_weights<F: Element>(
     Ok(())
 }
 
+/// The score modifiers of one row that `softmax_row` applies.
+#[derive(Clone, Copy)]
+struct RowModifiers<F> {
+    softcap: Option<F>,
+    alibi: Option<AlibiRow<F>>,
+}
+
 /// Turns one row of scaled scores into weights in place: bias added,
 /// masked keys (and keys a `−inf` bias hides) set to exactly 0, the maximum
 /// subtracted before `exp`. Returns the log-sum-exp of the visible scores.
@@ -125,15 +135,18 @@ fn softmax_row<F: Element>(
     mut row: ArrayViewMut1<'_, F>,
     visible: &VisibleKeys<'_>,
     bias: Option<&ndarray::ArrayView1<'_, F>>,
-    alibi: Option<AlibiRow<F>>,
+    modifiers: RowModifiers<F>,
 ) -> F {
     let mut max = F::neg_infinity();
     for (j, score) in row.iter_mut().enumerate() {
         if visible.contains(j) {
+            if let Some(cap) = modifiers.softcap {
+                *score = softcapped(*score, cap).0;
+            }
             if let Some(bias) = bias {
                 *score = biased(*score, bias[broadcast(bias.len(), visible.key_offset + j)]);
             }
-            if let Some(alibi) = alibi {
+            if let Some(alibi) = modifiers.alibi {
                 *score = *score + alibi.bias(j);
             }
             if score.is_nan() {

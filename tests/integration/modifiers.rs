@@ -24,6 +24,7 @@ struct Naive {
     bias: Option<Array4<f64>>,
     alibi: Option<Vec<f64>>,
     sinks: Option<Vec<f64>>,
+    softcap: Option<f64>,
 }
 
 impl Naive {
@@ -49,6 +50,9 @@ impl Naive {
         }
         if let Some(sinks) = &self.sinks {
             opts = opts.sinks(sinks);
+        }
+        if let Some(cap) = self.softcap {
+            opts = opts.softcap(cap);
         }
         opts
     }
@@ -98,6 +102,10 @@ impl Naive {
                             * (0..d_k)
                                 .map(|c| q[[b, h, i, c]] * k[[b, h / group, j, c]])
                                 .sum::<f64>();
+                        // Gemma 2's order: scale, cap, then the additive terms.
+                        if let Some(cap) = self.softcap {
+                            score = cap * (score / cap).tanh();
+                        }
                         if let Some(bias) = &self.bias {
                             score += bias[[b, h, i, j]];
                         }
@@ -151,13 +159,17 @@ fn inputs(
     )
 }
 
-/// A modifier set: ALiBi, sinks, or both.
-fn modifiers(case: usize, heads: usize) -> (Option<Vec<f64>>, Option<Vec<f64>>) {
+/// Modifier sets: ALiBi; sinks; both; a softcap with sinks and ALiBi.
+const MODIFIER_SETS: usize = 4;
+
+/// Modifier set `case`: ALiBi slopes, sink logits, softcap.
+fn modifiers(case: usize, heads: usize) -> (Option<Vec<f64>>, Option<Vec<f64>>, Option<f64>) {
     let sinks: Vec<f64> = (0..heads).map(|h| 0.7 * h as f64 - 1.1).collect();
-    match case % 3 {
-        0 => (Some(alibi_slopes(heads)), None),
-        1 => (None, Some(sinks)),
-        _ => (Some(alibi_slopes(heads)), Some(sinks)),
+    match case % MODIFIER_SETS {
+        0 => (Some(alibi_slopes(heads)), None, None),
+        1 => (None, Some(sinks), None),
+        2 => (Some(alibi_slopes(heads)), Some(sinks), None),
+        _ => (Some(alibi_slopes(heads)), Some(sinks), Some(1.5)),
     }
 }
 
@@ -168,11 +180,12 @@ fn naive_cases(dims: (usize, usize, usize, usize, usize, usize, usize), seed: u6
     let bias = seeded((batch, heads, len_q, len_kv), seed ^ 8, 1.0);
     let lengths: Vec<usize> = (0..batch).map(|b| len_kv.saturating_sub(b * 3)).collect();
     let mut cases = Vec::new();
-    for m in 0..3 {
-        let (alibi, sinks) = modifiers(m, heads);
+    for m in 0..MODIFIER_SETS {
+        let (alibi, sinks, softcap) = modifiers(m, heads);
         let base = Naive {
             alibi,
             sinks,
+            softcap,
             ..Naive::default()
         };
         cases.push(base.clone());
@@ -299,6 +312,9 @@ fn f32_options<'a>(
     if let Some(sinks) = sinks {
         opts = opts.sinks(sinks);
     }
+    if let Some(cap) = case.softcap {
+        opts = opts.softcap(cap as f32);
+    }
     opts
 }
 
@@ -339,22 +355,24 @@ impl Composed {
         m: usize,
         alibi: &'a [F],
         sinks: &'a [F],
+        cap: F,
     ) -> AttentionOptions<'a, F> {
-        match m % 3 {
+        match m % MODIFIER_SETS {
             0 => opts.alibi(alibi),
             1 => opts.sinks(sinks),
-            _ => opts.alibi(alibi).sinks(sinks),
+            2 => opts.alibi(alibi).sinks(sinks),
+            _ => opts.alibi(alibi).sinks(sinks).softcap(cap),
         }
     }
 
     fn f64(&self, case: usize, m: usize) -> AttentionOptions<'_, f64> {
         let opts = option_case(case, &self.keep, &self.bias, &self.lengths);
-        Self::with_modifiers(opts, m, &self.alibi, &self.sinks)
+        Self::with_modifiers(opts, m, &self.alibi, &self.sinks, 1.5)
     }
 
     fn f32(&self, case: usize, m: usize) -> AttentionOptions<'_, f32> {
         let opts = option_case(case, &self.keep, &self.bias32, &self.lengths);
-        Self::with_modifiers(opts, m, &self.alibi32, &self.sinks32)
+        Self::with_modifiers(opts, m, &self.alibi32, &self.sinks32, 1.5)
     }
 }
 
@@ -367,7 +385,7 @@ fn every_kernel_set_matches_the_reference_on_the_packed_and_decode_paths() {
         let (q32, k32, v32) = (f32s(&q), f32s(&k), f32s(&v));
         let composed = Composed::new(batch, heads, len_q, len_kv, n as u64);
         for case in 0..8 {
-            for m in 0..3 {
+            for m in 0..MODIFIER_SETS {
                 let expected = scaled_dot_product_attention_partial(
                     q.view(),
                     k.view(),
@@ -463,7 +481,7 @@ fn key_shards_merge_to_the_unsplit_call_counting_the_sink_once() {
         let composed = Composed::new(batch, heads, len_q, len_kv, n as u64);
         let cuts = [0, len_kv / 3, len_kv / 3, len_kv / 2 + 1];
         for case in 0..8 {
-            for m in 0..3 {
+            for m in 0..MODIFIER_SETS {
                 let opts = composed.f64(case, m);
                 let whole =
                     scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), &opts)
@@ -513,7 +531,7 @@ fn core_gradients_match_finite_differences_including_the_sinks() {
     let w = seeded((batch, heads, len_q, d_v), 12, 1.0);
     let composed = Composed::new(batch, heads, len_q, len_kv, 13);
     for case in 0..8 {
-        for m in 0..3 {
+        for m in 0..MODIFIER_SETS {
             let opts = composed.f64(case, m);
             let forward =
                 scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), &opts).unwrap();
@@ -526,7 +544,7 @@ fn core_gradients_match_finite_differences_including_the_sinks() {
                 w.view(),
             )
             .unwrap();
-            assert_eq!(grads.d_sinks.is_some(), m != 0);
+            assert_eq!(grads.d_sinks.is_some(), m % MODIFIER_SETS != 0);
             let h = 1e-6;
             let check = |name: &str, x: &Array4<f64>, grad: &Array4<f64>, which: usize| {
                 for index in [[0, 0, 0, 0], [1, 1, 2, 1], [1, which % 2, 4, 2]] {
@@ -555,6 +573,31 @@ fn core_gradients_match_finite_differences_including_the_sinks() {
             check("q", &q, &grads.d_q, case);
             check("k", &k, &grads.d_k, case);
             check("v", &v, &grads.d_v, case);
+            // The bias is added after the cap: its gradient is the capped
+            // score's.
+            if let Some(d_bias) = &grads.d_bias {
+                for index in [[0, 0, 0, 0], [1, 3, 4, 6], [1, 2, 3, 1]] {
+                    let with = |delta: f64| {
+                        let mut bias = composed.bias.clone();
+                        bias[index] += delta;
+                        let base = option_case(case, &composed.keep, &bias, &composed.lengths);
+                        let o = Composed::with_modifiers(
+                            base,
+                            m,
+                            &composed.alibi,
+                            &composed.sinks,
+                            1.5,
+                        );
+                        loss(&q, &k, &v, &o, &w)
+                    };
+                    let numeric = (with(h) - with(-h)) / (2.0 * h);
+                    assert!(
+                        (d_bias[index] - numeric).abs() < 1e-7,
+                        "d_bias{index:?} case {case}/{m}: {} vs {numeric}",
+                        d_bias[index]
+                    );
+                }
+            }
             if let Some(d_sinks) = &grads.d_sinks {
                 for head in 0..heads {
                     let mut sinks = composed.sinks.clone();
@@ -562,10 +605,10 @@ fn core_gradients_match_finite_differences_including_the_sinks() {
                     let with = |s: &[f64]| {
                         let base =
                             option_case(case, &composed.keep, &composed.bias, &composed.lengths);
-                        let o = if m == 1 {
-                            base.clone().sinks(s)
-                        } else {
-                            base.clone().alibi(&composed.alibi).sinks(s)
+                        let o = match m {
+                            1 => base.clone().sinks(s),
+                            2 => base.clone().alibi(&composed.alibi).sinks(s),
+                            _ => base.clone().alibi(&composed.alibi).sinks(s).softcap(1.5),
                         };
                         loss(&q, &k, &v, &o, &w)
                     };
@@ -594,7 +637,7 @@ fn fused_backward_matches_the_reference_on_every_kernel_set() {
         let (q32, k32, v32, d_out32) = (f32s(&q), f32s(&k), f32s(&v), f32s(&d_out));
         let composed = Composed::new(batch, heads, len_q, len_kv, n as u64);
         for case in 0..8 {
-            for m in 0..3 {
+            for m in 0..MODIFIER_SETS {
                 let opts = composed.f64(case, m);
                 let forward =
                     scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), &opts)
@@ -760,6 +803,10 @@ fn bad_modifiers_are_errors() {
         AttentionOptions::new().alibi(&[0.5, f32::NAN]),
         AttentionOptions::new().sinks(&[0.0, 0.0, 0.0]),
         AttentionOptions::new().sinks(&[0.0, f32::INFINITY]),
+        AttentionOptions::new().softcap(0.0),
+        AttentionOptions::new().softcap(-1.0),
+        AttentionOptions::new().softcap(f32::INFINITY),
+        AttentionOptions::new().softcap(f32::NAN),
     ] {
         let error = run(&opts).unwrap_err();
         assert_eq!(error.kind(), sdpa::ErrorKind::InvalidOption, "{error}");
