@@ -43,10 +43,6 @@ pub(crate) mod sealed {
             out: ArrayViewMut4<'_, f32>,
             log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
         ) -> Result<(), AttentionError> {
-            // The fused kernels do not cap scores yet.
-            if call.opts.softcap.is_some() {
-                return crate::core::forward::forward(call, out, log_sum_exp);
-            }
             crate::fused::forward(call, out, log_sum_exp)
         }
 
@@ -54,6 +50,8 @@ pub(crate) mod sealed {
             call: &BackwardCall<'_, f32>,
             gradients: GradientsViewMut<'_, f32>,
         ) -> Result<(), AttentionError> {
+            // The fused backward does not cap scores yet: the reference
+            // takes the fused forward's result as any path's.
             if call.forward.opts.softcap.is_some() {
                 return crate::core::backward::backward(call, gradients);
             }

@@ -6,7 +6,7 @@
 //! The order of operations on a score, on every path:
 //!
 //! ```text
-//! s_ij = scale·q_i·k_j,  then  cap·tanh(s_ij/cap)  with a softcap (finite s only)
+//! s_ij = scale·q_i·k_j,  then  cap·tanh(s_ij/cap)  with a softcap
 //! S_ij = s_ij  (+ bias_ij, a −inf bias hides the key)  − slope_h·(p_i − j)
 //! masked keys: weight exactly 0, by selection
 //! P_ij = e^(S_ij) / (e^(sink_h) + Σ_j e^(S_ij)),   lse_i = log(e^(sink_h) + Σ_j e^(S_ij))
@@ -101,16 +101,12 @@ pub(crate) fn check<F: Element>(
     Ok(())
 }
 
-/// `cap·tanh(score/cap)` for a finite score; a non-finite score unchanged.
-/// Also returns the derivative `1 − tanh²(score/cap)` (1 when unchanged).
+/// `cap·tanh(score/cap)` (`±inf` gives `±cap`, tanh's limits; NaN stays
+/// NaN), and its derivative `1 − tanh²(score/cap)`.
 #[inline]
 pub(crate) fn softcapped<F: Float>(score: F, cap: F) -> (F, F) {
-    if score.is_finite() {
-        let t = (score / cap).tanh();
-        (cap * t, F::one() - t * t)
-    } else {
-        (score, F::one())
-    }
+    let t = (score / cap).tanh();
+    (cap * t, F::one() - t * t)
 }
 
 /// ALiBi for one query row: the bias of the call's key `j` is

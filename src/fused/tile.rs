@@ -261,6 +261,9 @@ impl QueryTile {
             if may_overflow {
                 mark_overflowed_scores(scores, at, j0, call);
             }
+            if let Some(cap) = call.opts.softcap {
+                kernel.softcap(scores, cap);
+            }
             add_bias(scores, at, j0, call);
             add_alibi(scores, at, j0, call);
             let masked = span.needs_mask(j0, call);

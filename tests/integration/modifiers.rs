@@ -744,14 +744,16 @@ fn nan_in_masked_keys_never_leaks_and_a_row_that_sees_nothing_gives_the_sink() {
         let mut opts = AttentionOptions::new()
             .key_lengths(&lengths)
             .alibi(&slopes32)
-            .sinks(&sinks32);
+            .sinks(&sinks32)
+            .softcap(3.0);
         if causal {
             opts = opts.causal_aligned(CausalAlignment::TopLeft);
         }
         let mut opts64 = AttentionOptions::new()
             .key_lengths(&lengths)
             .alibi(&slopes)
-            .sinks(&sinks);
+            .sinks(&sinks)
+            .softcap(3.0);
         if causal {
             opts64 = opts64.causal_aligned(CausalAlignment::TopLeft);
         }
