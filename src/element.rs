@@ -50,11 +50,6 @@ pub(crate) mod sealed {
             call: &BackwardCall<'_, f32>,
             gradients: GradientsViewMut<'_, f32>,
         ) -> Result<(), AttentionError> {
-            // The fused backward does not cap scores yet: the reference
-            // takes the fused forward's result as any path's.
-            if call.forward.opts.softcap.is_some() {
-                return crate::core::backward::backward(call, gradients);
-            }
             crate::fused::backward(call, gradients)
         }
     }
