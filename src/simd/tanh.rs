@@ -37,10 +37,11 @@ const TANH_POLY: [f32; 6] = [
 
 /// `tanh x` in every lane.
 ///
-/// Measured maximum error 2.5 ulp or less against `tanh` in f64 over
-/// every `f32` in [−10, 10] on every kernel set (asserted ≤ 3 ulp by the
-/// exhaustive test; the polynomial region is ≤ 1 ulp, the largest errors
-/// sit just above `|x| = 0.6`, where `2/(e^(2x)+1)` is about 0.46).
+/// Measured maximum error 1.43 ulp against `tanh` in f64 over every
+/// `f32` in [−10, 10] (2.2e9 inputs), on the scalar, AVX2 and AVX-512
+/// sets, at x = 0.6021 just above the switch, where `2/(e^(2x)+1)` is
+/// about 0.46 (the exhaustive test asserts ≤ 3 ulp; the polynomial
+/// region simulated at 0.72 ulp).
 ///
 /// # Safety
 /// The CPU has `V`'s instruction set.
