@@ -157,6 +157,7 @@ pub(crate) fn check<'a, F: Element>(
             "window must be at least 1 key, got 0",
         ));
     }
+    crate::modifiers::check(opts, &shape)?;
     // Every result has this many elements or fewer per head dimension; a
     // view with huge broadcast lengths could describe more than fits.
     let (b, h, l, d) = shape.output_dim();

@@ -1,7 +1,7 @@
 //! [`AttentionGradients`], what a backward pass returns, and the mutable
 //! views a backward path writes them through.
 
-use ndarray::{Array4, ArrayViewMut4};
+use ndarray::{Array1, Array4, ArrayViewMut4};
 
 use crate::alloc::try_zeros;
 use crate::call::Call;
@@ -27,6 +27,11 @@ pub struct AttentionGradients<F> {
     /// `∂L/∂bias`, in the shape the bias was given in (each dimension the
     /// full size or 1), when the options had a bias; `None` otherwise.
     pub d_bias: Option<Array4<F>>,
+    /// `∂L/∂sinks`, one per query head, when the options had
+    /// [`sinks`](crate::AttentionOptions::sinks); `None` otherwise. With a
+    /// key shard, that of the shard holding key 0 (the others get zeros), so the
+    /// sum over shards is the unsplit call's.
+    pub d_sinks: Option<Array1<F>>,
 }
 
 impl<F: Element> AttentionGradients<F> {
@@ -40,6 +45,7 @@ impl<F: Element> AttentionGradients<F> {
                 Some(bias) => Some(try_zeros("d_bias", bias.raw_dim())?),
                 None => None,
             },
+            d_sinks: None,
         })
     }
 

@@ -20,6 +20,7 @@ mod gradients;
 mod kv_cache;
 mod layer;
 mod mask;
+mod modifiers;
 mod options;
 mod parallel;
 mod partial;
@@ -40,6 +41,7 @@ pub use layer::{
     Attention, AttentionConfig, CausalAttention, ForwardCache, LayerGradients, LayerParameters,
     TorchLinear,
 };
+pub use modifiers::alibi_slopes;
 pub use options::{AttentionOptions, CausalAlignment};
 pub use partial::AttentionPartial;
 pub use rope::{
@@ -208,5 +210,6 @@ pub fn scaled_dot_product_attention_backward<F: Element>(
     let call = call::check_backward(call::check(&q, &k, &v, opts)?, forward, &d_out)?;
     let mut gradients = AttentionGradients::zeros(&call.forward)?;
     F::backward(&call, gradients.view_mut())?;
+    gradients.d_sinks = modifiers::sink_gradients(&call)?;
     Ok(gradients)
 }

@@ -74,6 +74,11 @@ pub struct AttentionOptions<'a, F> {
     pub(crate) keep_mask_given: Given,
     /// How the bias was given, for the call's check.
     pub(crate) bias_given: Given,
+    /// Score modifiers (`modifiers.rs`): ALiBi slopes and sink logits,
+    /// one per query head.
+    pub(crate) alibi: Option<&'a [F]>,
+    pub(crate) sinks: Option<&'a [F]>,
+    pub(crate) softcap: Option<F>,
 }
 
 impl<F> Default for AttentionOptions<'_, F> {
@@ -88,6 +93,9 @@ impl<F> Default for AttentionOptions<'_, F> {
             key_shard: None,
             keep_mask_given: Given::default(),
             bias_given: Given::default(),
+            alibi: None,
+            sinks: None,
+            softcap: None,
         }
     }
 }
@@ -223,6 +231,95 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
         });
         self
     }
+
+    /// ALiBi (Press et al., BLOOM, MPT): adds `−slope_h·(p_i − j)` to the
+    /// scaled scores of query head `h`, where `j` is the key's position in
+    /// the whole sequence (see [`key_shard`](Self::key_shard)) and
+    /// `p_i = i + total_len_kv − len_q` the query's bottom-right aligned
+    /// position (its own position in a KV cache). Computed per tile from
+    /// the positions, never stored as a `len_q × len_kv` matrix.
+    ///
+    /// One slope per query head (`slopes.len() == heads`, each finite; the
+    /// call returns an error otherwise); [`alibi_slopes`](crate::alibi_slopes)
+    /// gives the standard ones. Bidirectionally, a key after the query gets
+    /// `+slope·(j − p_i)`: the bias is `slope·j − slope·p_i`, and the
+    /// softmax drops the row's constant `slope·p_i`, so every row's weights
+    /// are those of BLOOM's `build_alibi_tensor`, which adds `slope·j`.
+    ///
+    /// ```
+    /// use ndarray::Array4;
+    /// use sdpa::{alibi_slopes, AttentionOptions};
+    ///
+    /// let slopes: Vec<f64> = alibi_slopes(2);
+    /// let x = Array4::<f64>::zeros((1, 2, 3, 4));
+    /// let w = sdpa::core::attention_weights(x.view(), x.view(), &AttentionOptions::new().causal().alibi(&slopes))?;
+    /// // The last query sees keys 0..=2 with weights ∝ e^(−slope·distance).
+    /// let ratio = w[[0, 0, 2, 1]] / w[[0, 0, 2, 2]];
+    /// assert!((ratio - (-slopes[0]).exp()).abs() < 1e-12);
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn alibi(mut self, slopes: &'a [F]) -> Self {
+        self.alibi = Some(slopes);
+        self
+    }
+
+    /// Attention sinks (gpt-oss): for each query head `h` a learned logit
+    /// `sinks[h]` joins the softmax's denominator as a virtual key that
+    /// holds no value, so a row's weights sum to less than 1:
+    /// `P_ij = e^(S_ij) / (e^(sinks[h]) + Σ_j e^(S_ij))`. The logit is not
+    /// scaled, biased or masked. One finite logit per query head; the call
+    /// returns an error otherwise.
+    ///
+    /// A row that sees no key outputs zeros and has log-sum-exp `sinks[h]`
+    /// (the sink takes all the weight). With
+    /// [`key_shard`](Self::key_shard), only the shard holding key 0 of the
+    /// whole sequence counts the sink (with no keys at all, a shard at
+    /// offset 0), so merging the shards' partials counts it once and gives
+    /// the unsplit call's result; the backward's `d_sinks` is likewise
+    /// that shard's, and zeros for the others.
+    ///
+    /// ```
+    /// use ndarray::Array4;
+    /// use sdpa::AttentionOptions;
+    ///
+    /// let x = Array4::<f64>::zeros((1, 1, 1, 3));
+    /// let w = sdpa::core::attention_weights(x.view(), x.view(), &AttentionOptions::new().sinks(&[0.0]))?;
+    /// // One key of score 0 against a sink of logit 0: half the weight each.
+    /// assert!((w[[0, 0, 0, 0]] - 0.5).abs() < 1e-15);
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn sinks(mut self, logits: &'a [F]) -> Self {
+        self.sinks = Some(logits);
+        self
+    }
+
+    /// Logit softcapping (Gemma 2, Grok-1): each scaled score `s` becomes
+    /// `cap·tanh(s/cap)` before the bias, ALiBi and the mask are applied,
+    /// the order of Hugging Face's Gemma 2 eager attention (scale, cap,
+    /// then the additive mask). An infinite score becomes `±cap` (tanh's
+    /// limits, as in PyTorch); NaN stays NaN. `cap` must be positive and
+    /// finite; the call returns an error otherwise. The backward applies
+    /// its derivative `1 − tanh²(s/cap)` to the scores' gradient (the
+    /// bias's gradient is taken after the cap, where the bias is added).
+    ///
+    /// The fused `f32` forward and backward cap each score tile with a
+    /// vectorized `tanh` (≤ 3 ulp).
+    ///
+    /// ```
+    /// use ndarray::Array4;
+    /// use sdpa::AttentionOptions;
+    ///
+    /// let q = Array4::<f64>::from_elem((1, 1, 1, 1), 100.0);
+    /// let k = Array4::<f64>::from_shape_vec((1, 1, 2, 1), vec![1.0, 0.0]).unwrap();
+    /// let w = sdpa::core::attention_weights(q.view(), k.view(), &AttentionOptions::new().softcap(1.0))?;
+    /// // Scores 100 and 0 are capped to tanh(100) ≈ 1 and 0.
+    /// assert!((w[[0, 0, 0, 0]] - 1f64.exp() / (1f64.exp() + 1.0)).abs() < 1e-12);
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn softcap(mut self, cap: F) -> Self {
+        self.softcap = Some(cap);
+        self
+    }
 }
 
 impl<F: Copy> AttentionOptions<'_, F> {
@@ -239,6 +336,9 @@ impl<F: Copy> AttentionOptions<'_, F> {
             key_shard: self.key_shard,
             keep_mask_given: self.keep_mask_given.clone(),
             bias_given: self.bias_given.clone(),
+            alibi: self.alibi,
+            sinks: self.sinks,
+            softcap: self.softcap,
         }
     }
 }

@@ -38,6 +38,7 @@ use crate::element::Element;
 use crate::error::AttentionError;
 use crate::gradients::{AttentionGradients, GradientsViewMut};
 use crate::mask::{biased, broadcast};
+use crate::modifiers::softcapped;
 use crate::options::AttentionOptions;
 use crate::partial::AttentionPartial;
 
@@ -125,6 +126,7 @@ pub fn scaled_dot_product_attention_backward<F: Element>(
     let call = call::check_backward(call::check(&q, &k, &v, opts)?, forward, &d_out)?;
     let mut gradients = AttentionGradients::zeros(&call.forward)?;
     backward(&call, gradients.view_mut())?;
+    gradients.d_sinks = crate::modifiers::sink_gradients(&call)?;
     Ok(gradients)
 }
 
@@ -162,6 +164,11 @@ pub(crate) fn backward<F: Element>(
     let scores_dim = (shape.len_q, shape.len_kv);
     let mut probabilities: Array2<F> = try_zeros("the backward's weights", scores_dim)?;
     let mut d_scores: Array2<F> = try_zeros("the backward's score gradients", scores_dim)?;
+    // With a softcap, each score's `1 − tanh²(s/cap)`.
+    let mut softcap_slopes: Option<Array2<F>> = match forward.opts.softcap {
+        Some(_) => Some(try_zeros("the softcap's derivatives", scores_dim)?),
+        None => None,
+    };
     for b in 0..shape.batch {
         for h in 0..shape.heads {
             let kv_h = shape.kv_head(h);
@@ -176,6 +183,7 @@ pub(crate) fn backward<F: Element>(
             for i in 0..shape.len_q {
                 let visible = forward.visible_keys(b, h, i);
                 let bias = forward.bias_row(b, h, i);
+                let alibi = forward.alibi(h, i);
                 let lse = log_sum_exp[[b, h, i]];
                 let mut p_row = probabilities.row_mut(i);
                 let mut ds_row = d_scores.row_mut(i);
@@ -193,11 +201,22 @@ pub(crate) fn backward<F: Element>(
                     .fold(F::zero(), |sum, (&o, &d_o)| sum + o * d_o);
                 for (j, (p, ds)) in p_row.iter_mut().zip(ds_row.iter_mut()).enumerate() {
                     *p = if visible.contains(j) {
+                        if let (Some(cap), Some(slopes)) =
+                            (forward.opts.softcap, softcap_slopes.as_mut())
+                        {
+                            let (capped, slope) = softcapped(*p, cap);
+                            *p = capped;
+                            slopes[[i, j]] = slope;
+                        }
                         let score = match &bias {
                             Some(bias) => {
                                 biased(*p, bias[broadcast(bias.len(), visible.key_offset + j)])
                             }
                             None => *p,
+                        };
+                        let score = match alibi {
+                            Some(alibi) => score + alibi.bias(j),
+                            None => score,
                         };
                         (score - lse).exp()
                     } else {
@@ -211,6 +230,19 @@ pub(crate) fn backward<F: Element>(
                         F::zero()
                     };
                 }
+            }
+
+            // The bias is added after the cap: its gradient is dS itself,
+            // the capped score's; the product's gradient is dS·(1 − tanh²).
+            if let Some(d_bias) = d_bias.as_mut() {
+                accumulate_bias_gradient(d_bias, d_scores.view(), b, h, forward.key_offset());
+            }
+            if let Some(slopes) = &softcap_slopes {
+                d_scores.zip_mut_with(slopes, |ds, &slope| {
+                    if *ds != F::zero() {
+                        *ds = *ds * slope;
+                    }
+                });
             }
 
             // dV += Pᵀ·dO and dK += scale·dSᵀ·Q over the heads sharing kv_h.
@@ -236,10 +268,6 @@ pub(crate) fn backward<F: Element>(
                 F::zero(),
                 head_mut(&mut d_q, b, h),
             );
-
-            if let Some(d_bias) = d_bias.as_mut() {
-                accumulate_bias_gradient(d_bias, d_scores.view(), b, h, forward.key_offset());
-            }
         }
     }
     Ok(())

@@ -16,6 +16,7 @@ use crate::call::{Call, head, head_mut};
 use crate::element::Element;
 use crate::error::AttentionError;
 use crate::mask::{VisibleKeys, biased, broadcast};
+use crate::modifiers::{AlibiRow, apply_sink, softcapped};
 
 /// Weights held at once per head, in elements: the reference computes a
 /// block of query rows at a time, so its memory is bounded (8 MiB in `f64`)
@@ -94,18 +95,32 @@ pub(crate) fn rows_weights<F: Element>(
         }
         let visible = call.visible_keys(b, h, i);
         let bias = call.bias_row(b, h, i);
-        let lse = softmax_row(row.view_mut(), &visible, bias.as_ref());
+        let modifiers = RowModifiers {
+            softcap: call.opts.softcap,
+            alibi: call.alibi(h, i),
+        };
+        let mut lse = softmax_row(row.view_mut(), &visible, bias.as_ref(), modifiers);
         // Every visible score −inf: a row that saw nothing, unless a key the
         // bias does not hide is among them (the shared rule of `mask.rs`):
         // then its output is NaN, and its log-sum-exp stays −inf.
         if lse == F::neg_infinity() && call.has_unhidden_key(b, h, i, 0..call.shape.len_kv) {
             row.fill(F::nan());
         }
+        if let Some(sink) = call.sink(h) {
+            apply_sink(row.iter_mut(), &mut lse, sink);
+        }
         if let Some(log_sum_exp) = log_sum_exp.as_mut() {
             log_sum_exp[r] = lse;
         }
     }
     Ok(())
+}
+
+/// The score modifiers of one row that `softmax_row` applies.
+#[derive(Clone, Copy)]
+struct RowModifiers<F> {
+    softcap: Option<F>,
+    alibi: Option<AlibiRow<F>>,
 }
 
 /// Turns one row of scaled scores into weights in place: bias added,
@@ -120,12 +135,19 @@ fn softmax_row<F: Element>(
     mut row: ArrayViewMut1<'_, F>,
     visible: &VisibleKeys<'_>,
     bias: Option<&ndarray::ArrayView1<'_, F>>,
+    modifiers: RowModifiers<F>,
 ) -> F {
     let mut max = F::neg_infinity();
     for (j, score) in row.iter_mut().enumerate() {
         if visible.contains(j) {
+            if let Some(cap) = modifiers.softcap {
+                *score = softcapped(*score, cap).0;
+            }
             if let Some(bias) = bias {
                 *score = biased(*score, bias[broadcast(bias.len(), visible.key_offset + j)]);
+            }
+            if let Some(alibi) = modifiers.alibi {
+                *score = *score + alibi.bias(j);
             }
             if score.is_nan() {
                 row.fill(F::nan());

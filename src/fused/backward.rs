@@ -9,10 +9,11 @@
 //! and `dV_j` accumulate in cache; for each query tile `i` that sees it:
 //!
 //! ```text
-//! P    = exp(S − lse)            S = (scale·Q_i)·K_jᵀ (+ bias), masked = −inf
+//! P    = exp(S − lse)            S = cap((scale·Q_i)·K_jᵀ) (+ bias, ALiBi), masked = −inf
 //! dV_j += Pᵀ · dO_i
 //! dP   = dO_i · V_jᵀ
 //! dS   = P ∘ (dP − D_i)          D_i = rowsum(dO_i ∘ O_i); 0 wherever P = 0
+//!                                (the bias's gradient; with a softcap, then dS ∘= 1 − tanh²)
 //! dK_j += dSᵀ · (scale·Q_i)
 //! dQ_i += dS · K_j               (times scale at the end)
 //! ```
@@ -33,7 +34,7 @@ use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis, s};
 
 use super::pack::{PackedHead, QueryRows};
 use super::scratch::Scratch;
-use super::tile::{TilePosition, TileSpan, add_bias, mask};
+use super::tile::{TilePosition, TileSpan, add_alibi, add_bias, mask};
 use super::{KEY_TILE, QUERY_TILE};
 use crate::alloc::{element_count, try_zeros};
 use crate::call::{AttentionShape, BackwardCall, head, head_mut};
@@ -270,6 +271,8 @@ struct TileBuffers {
     d_s: Vec<f32>,
     /// All ones: the `α` of accumulations that only add.
     ones: Vec<f32>,
+    /// With a softcap, `1 − tanh²(s/cap)` of each score, `[QUERY_TILE][KEY_TILE]`.
+    softcap_slopes: Vec<f32>,
 }
 
 impl TileBuffers {
@@ -279,6 +282,7 @@ impl TileBuffers {
             p: vec![0.0; rows * KEY_TILE],
             d_s: vec![0.0; rows * KEY_TILE],
             ones: vec![1.0; rows.max(KEY_TILE)],
+            softcap_slopes: vec![0.0; rows * KEY_TILE],
         }
     }
 
@@ -319,7 +323,18 @@ impl TileBuffers {
             p,
             KEY_TILE,
         );
+        let softcap = forward.opts.softcap;
+        if let Some(cap) = softcap {
+            // The cap comes before the bias; its derivative from the
+            // capped score c·t is 1 − t².
+            kernel.softcap(p, cap);
+            for (slope, &capped) in self.softcap_slopes.iter_mut().zip(p.iter()) {
+                let t = capped / cap;
+                *slope = 1.0 - t * t;
+            }
+        }
         add_bias(p, at, j0, forward);
+        add_alibi(p, at, j0, forward);
         if span.needs_mask(j0, forward) {
             mask(p, at, j0, forward);
         }
@@ -363,6 +378,16 @@ impl TileBuffers {
             for r in 0..at.rows {
                 for (j, &ds) in d_s[r * KEY_TILE..][..keys].iter().enumerate() {
                     d_scores[[i0 + r, j0 + j]] = ds;
+                }
+            }
+        }
+
+        // The bias gradient is the capped score's (above); the product's
+        // is dS·(1 − tanh²).
+        if softcap.is_some() {
+            for (ds, &slope) in d_s.iter_mut().zip(&self.softcap_slopes) {
+                if *ds != 0.0 {
+                    *ds *= slope;
                 }
             }
         }

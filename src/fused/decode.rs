@@ -11,6 +11,7 @@ use super::{DECODE_CHUNK, DECODE_MAX_QUERIES, KEY_TILE};
 use crate::alloc::{element_count, try_with_capacity, try_zeros};
 use crate::call::{Call, head, head_mut};
 use crate::error::AttentionError;
+use crate::modifiers::apply_sink;
 use crate::parallel::map_with;
 use crate::partial::merge_row;
 use crate::simd::Kernel;
@@ -72,7 +73,8 @@ pub(super) fn decode<K: Kernel>(
                         try_zeros("a decode partial", (shape.len_q, shape.d_v))?;
                     let mut lse = Array1::zeros(shape.len_q);
                     let (out_view, lse_view) = (&mut out.view_mut(), Some(lse.view_mut()));
-                    tile.write_output(call, &at, keys.clone(), out_view, lse_view);
+                    // The sink joins once, after the chunks merge.
+                    tile.write_output(call, &at, keys.clone(), out_view, lse_view, None);
                     Ok((out, lse))
                 })
                 .collect::<Result<Vec<_>, AttentionError>>()
@@ -94,6 +96,11 @@ pub(super) fn decode<K: Kernel>(
                         other.row(i).iter().copied(),
                         other_lse[i],
                     );
+                }
+            }
+            if let Some(sink) = call.sink(h) {
+                for (row, lse) in merged.rows_mut().into_iter().zip(merged_lse.iter_mut()) {
+                    apply_sink(row, lse, sink);
                 }
             }
             head_mut(&mut out, b, h).assign(&merged);

@@ -113,7 +113,8 @@ fn prefill<K: Kernel>(
                 |tile, (at, mut out_tile, lse_tile)| {
                     let tile = tile.as_mut().map_err(|error| error.clone())?;
                     tile.attend(kernel, call, &at, &source, keys.clone());
-                    tile.write_output(call, &at, keys.clone(), &mut out_tile, lse_tile);
+                    let sink = call.sink(at.h);
+                    tile.write_output(call, &at, keys.clone(), &mut out_tile, lse_tile, sink);
                     Ok(())
                 },
             )

@@ -206,6 +206,8 @@ impl QueryRows {
             head(&call.out, b, h),
             head(&call.d_out, b, h),
         );
+        // With a sink, a row that sees no key has lse = sink.
+        let sink = call.forward.sink(h);
         let lse = call
             .log_sum_exp
             .index_axis(Axis(0), b)
@@ -226,8 +228,9 @@ impl QueryRows {
             (delta, lse_packed),
         ) in rows
         {
-            // Rows that see no key are zero, whatever q and d_out hold there.
-            let sees_keys = lse != f32::NEG_INFINITY;
+            // Rows that see no key are zero, whatever q and d_out hold there
+            // (rows the sink outweighs entirely count as such).
+            let sees_keys = crate::modifiers::sees_keys(lse, sink);
             *lse_packed = lse;
             copy_scaled(q_scaled, q, if sees_keys { scale } else { 0.0 });
             copy_scaled(d_out_packed, d_out, if sees_keys { 1.0 } else { 0.0 });

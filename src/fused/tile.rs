@@ -13,6 +13,7 @@ use super::scratch::Scratch;
 use crate::call::{AttentionShape, Call};
 use crate::error::AttentionError;
 use crate::mask::{biased, broadcast};
+use crate::modifiers::apply_sink;
 use crate::simd::{Kernel, ZeroWeights};
 
 /// Where a query tile sits: batch item, head, first row and row count.
@@ -112,6 +113,26 @@ pub(crate) fn add_bias(scores: &mut [f32], at: &TilePosition, j0: usize, call: &
                     *score = biased(*score, bias);
                 }
             }
+        }
+    }
+}
+
+/// Adds ALiBi's `slope·(j − p_i)`, if the call has ALiBi, to the scores
+/// (row stride `KEY_TILE`) of the tile's real rows and keys. Distances are
+/// exact in `f32` below 2²⁴ positions.
+pub(crate) fn add_alibi(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call<'_, f32>) {
+    if call.opts.alibi.is_none() {
+        return;
+    }
+    let keys = KEY_TILE.min(call.shape.len_kv - j0);
+    for r in 0..at.rows {
+        let Some(alibi) = call.alibi(at.h, at.i0 + r) else {
+            return;
+        };
+        let (slope, distance_0) = (alibi.slope, (alibi.key_0_distance + j0 as i64) as f32);
+        let scores = &mut scores[r * KEY_TILE..][..keys];
+        for (c, score) in scores.iter_mut().enumerate() {
+            *score += slope * (distance_0 + c as f32);
         }
     }
 }
@@ -240,7 +261,11 @@ impl QueryTile {
             if may_overflow {
                 mark_overflowed_scores(scores, at, j0, call);
             }
+            if let Some(cap) = call.opts.softcap {
+                kernel.softcap(scores, cap);
+            }
             add_bias(scores, at, j0, call);
+            add_alibi(scores, at, j0, call);
             let masked = span.needs_mask(j0, call);
             if masked {
                 mask(scores, at, j0, call);
@@ -303,7 +328,9 @@ impl QueryTile {
     }
 
     /// Writes `O / ℓ` for the tile's rows into `out_tile`, and `m + ln ℓ`
-    /// into `log_sum_exp`, after [`attend`](Self::attend) over `keys`.
+    /// into `log_sum_exp`, after [`attend`](Self::attend) over `keys`; then
+    /// merges in `sink`, when given (the caller passes it only where the
+    /// tile's keys are the row's whole result, see `modifiers.rs`).
     ///
     /// A NaN `ℓ` (a NaN or `+inf` visible score, or an overflowed product)
     /// gives NaN. `ℓ = 0` means every visible score was `−inf`: a row that
@@ -318,13 +345,14 @@ impl QueryTile {
         keys: Range<usize>,
         out_tile: &mut ArrayViewMut2<'_, f32>,
         log_sum_exp: Option<ArrayViewMut1<'_, f32>>,
+        sink: Option<f32>,
     ) {
         let mut log_sum_exp = log_sum_exp;
         for r in 0..at.rows {
             let sum = self.sum[r];
             let o = &self.o[r * self.value_width..];
             let mut out_row = out_tile.row_mut(r);
-            let lse = if sum != 0.0 {
+            let mut lse = if sum != 0.0 {
                 // A NaN sum gives NaN in both.
                 match out_row.as_slice_mut() {
                     Some(out) => out.iter_mut().zip(o).for_each(|(y, &x)| *y = x / sum),
@@ -338,6 +366,9 @@ impl QueryTile {
                 out_row.fill(0.0);
                 f32::NEG_INFINITY
             };
+            if let Some(sink) = sink {
+                apply_sink(out_row.iter_mut(), &mut lse, sink);
+            }
             if let Some(log_sum_exp) = log_sum_exp.as_mut() {
                 log_sum_exp[r] = lse;
             }

@@ -90,6 +90,11 @@ unsafe impl Vector for __m256 {
         unsafe { _mm256_mul_ps(self, other) }
     }
     #[inline(always)]
+    unsafe fn div(self, other: Self) -> Self {
+        // SAFETY: AVX2 and FMA (the caller's).
+        unsafe { _mm256_div_ps(self, other) }
+    }
+    #[inline(always)]
     unsafe fn mul_add(self, b: Self, c: Self) -> Self {
         // SAFETY: AVX2 and FMA (the caller's).
         unsafe { _mm256_fmadd_ps(self, b, c) }

@@ -90,6 +90,11 @@ unsafe impl Vector for __m512 {
         unsafe { _mm512_mul_ps(self, other) }
     }
     #[inline(always)]
+    unsafe fn div(self, other: Self) -> Self {
+        // SAFETY: AVX-512F (the caller's).
+        unsafe { _mm512_div_ps(self, other) }
+    }
+    #[inline(always)]
     unsafe fn mul_add(self, b: Self, c: Self) -> Self {
         // SAFETY: AVX-512F (the caller's).
         unsafe { _mm512_fmadd_ps(self, b, c) }

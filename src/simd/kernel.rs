@@ -19,6 +19,7 @@ use ndarray::ArrayView2;
 
 use super::scores::{RowScores, Scores};
 use super::softmax::{ExpRowsShifted, SoftmaxRows};
+use super::tanh::SoftcapScores;
 use super::values::{AccumulateValues, ZeroWeights};
 use super::vector::Vector;
 
@@ -158,6 +159,15 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
             s_stride,
             shift,
         })
+    }
+
+    /// `s ← cap·tanh(s/cap)` over all of `s` ([`SoftcapScores`]), whose
+    /// length is a multiple of `LANES`.
+    ///
+    /// # Panics
+    /// When it is not (a bug in the driver, never bad user input).
+    fn softcap(self, s: &mut [f32], cap: f32) {
+        self.run(SoftcapScores { s, cap })
     }
 
     /// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` ([`AccumulateValues`]) for

@@ -52,6 +52,7 @@ mod probe;
 mod scalar;
 mod scores;
 mod softmax;
+mod tanh;
 mod values;
 mod vector;
 

@@ -88,6 +88,11 @@ unsafe impl Vector for float32x4_t {
         unsafe { vmulq_f32(self, other) }
     }
     #[inline(always)]
+    unsafe fn div(self, other: Self) -> Self {
+        // SAFETY: NEON (the caller's).
+        unsafe { vdivq_f32(self, other) }
+    }
+    #[inline(always)]
     unsafe fn mul_add(self, b: Self, c: Self) -> Self {
         // SAFETY: NEON (the caller's).
         unsafe { vfmaq_f32(c, self, b) }

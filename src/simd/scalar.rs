@@ -64,6 +64,10 @@ unsafe impl Vector for f32 {
         self * other
     }
     #[inline(always)]
+    unsafe fn div(self, other: Self) -> Self {
+        self / other
+    }
+    #[inline(always)]
     unsafe fn mul_add(self, b: Self, c: Self) -> Self {
         // In f64 the product of two f32 is exact, so this rounds like a
         // fused multiply-add (but for rare double roundings), without the

@@ -504,3 +504,125 @@ fn with_kernel_set_refuses_a_set_this_cpu_lacks() {
     assert!(!ran);
     assert_eq!(current_kernel_set(), selected_kernel_set());
 }
+
+/// `tanh` in place over whole vectors (the tail is left as it is).
+struct TanhInPlace<'a>(&'a mut [f32]);
+
+impl KernelOp for TanhInPlace<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    unsafe fn run<
+        V: Vector,
+        const ROWS: usize,
+        const KEY_VECTORS: usize,
+        const VALUE_VECTORS: usize,
+    >(
+        self,
+    ) {
+        for chunk in self.0.chunks_exact_mut(V::LANES) {
+            // SAFETY: the caller guarantees V's instruction set; the chunk
+            // holds LANES f32s.
+            unsafe { super::tanh::tanh(V::load(chunk.as_ptr())).store(chunk.as_mut_ptr()) }
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Tanh(Vec<f32>);
+
+impl WithKernel for Tanh {
+    type Output = (KernelSet, Vec<f32>);
+    fn run<K: Kernel>(mut self, kernel: K) -> Self::Output {
+        kernel.run(TanhInPlace(&mut self.0));
+        (K::SET, self.0)
+    }
+}
+
+/// The largest ulp error of `tanh` over the `f32`s of one sign whose bits
+/// run from `first` to `last`, every `step`-th one.
+fn max_tanh_ulp_error(set: KernelSet, first: u32, last: u32, step: usize) -> (f64, f32) {
+    let mut worst = (0.0, 0.0);
+    let inputs: Vec<u32> = (first..=last).step_by(step).collect();
+    for chunk in inputs.chunks(1 << 16) {
+        let mut x: Vec<f32> = chunk.iter().map(|&bits| f32::from_bits(bits)).collect();
+        // Whole vectors only: pad with zeros.
+        x.resize(x.len().div_ceil(16) * 16, 0.0);
+        let (ran, y) = with_kernel(set, Tanh(x.clone())).unwrap();
+        assert_eq!(ran, set);
+        for (&x, &y) in x.iter().zip(&y) {
+            let error = ulp_error(y, (x as f64).tanh());
+            if error > worst.0 {
+                worst = (error, x);
+            }
+        }
+    }
+    worst
+}
+
+/// Every `step`-th `f32` of both signs up to 10 in magnitude (beyond, tanh
+/// is ±1 in `f32` and the formula gives exactly that).
+fn max_tanh_error_both_signs(set: KernelSet, step: usize) -> (f64, f32) {
+    let ten = 10f32.to_bits();
+    let positive = max_tanh_ulp_error(set, 0, ten, step);
+    let negative = max_tanh_ulp_error(set, MINUS_ZERO, MINUS_ZERO | ten, step);
+    if positive.0 >= negative.0 {
+        positive
+    } else {
+        negative
+    }
+}
+
+#[test]
+fn tanh_is_within_three_ulp() {
+    for set in available_kernel_sets() {
+        let (error, at) = max_tanh_error_both_signs(set, 1009);
+        assert!(error <= 3.0, "{set}: {error} ulp at {at}");
+    }
+}
+
+/// Every `f32` in [−10, 10]: about 2.2e9 inputs per kernel set. Run it in
+/// release: `cargo test --release --lib -- --ignored tanh_is_within_three_ulp_exhaustively`.
+#[test]
+#[ignore = "exhaustive: run in release"]
+fn tanh_is_within_three_ulp_exhaustively() {
+    for set in available_kernel_sets() {
+        let (error, at) = max_tanh_error_both_signs(set, 1);
+        println!("{set}: max tanh error {error:.3} ulp at {at:e}");
+        assert!(error <= 3.0, "{set}: {error} ulp at {at}");
+    }
+}
+
+#[test]
+fn tanh_special_values() {
+    let mut x = vec![
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        0.0,
+        -0.0,
+        1e30,
+        -1e30,
+        10.0,
+        -10.0,
+        0.6,
+        f32::from_bits(1),
+        -0.599_999_9,
+    ];
+    x.resize(16, 0.0);
+    for (set, (_, y)) in for_each_kernel_set(Tanh(x.clone())) {
+        assert_eq!((y[0], y[1]), (1.0, -1.0), "{set}: tanh(±inf)");
+        assert!(y[2].is_nan(), "{set}: tanh(NaN)");
+        assert_eq!((y[3], y[4]), (0.0, 0.0), "{set}: tanh(±0)");
+        assert_eq!((y[5], y[6]), (1.0, -1.0), "{set}: saturates");
+        for i in 7..12 {
+            let error = ulp_error(y[i], (x[i] as f64).tanh());
+            assert!(
+                error <= 3.0,
+                "{set}: tanh({}) = {} ({error} ulp)",
+                x[i],
+                y[i]
+            );
+        }
+    }
+}

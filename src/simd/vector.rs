@@ -52,6 +52,11 @@ pub(crate) unsafe trait Vector: Copy {
     /// # Safety
     /// The CPU has the instruction set of `Self`.
     unsafe fn mul(self, other: Self) -> Self;
+    /// Lane-wise `self / other`, correctly rounded.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
+    unsafe fn div(self, other: Self) -> Self;
     /// Lane-wise `self * b + c`, rounded once (the scalar set computes it
     /// in f64, which rounds the same but for rare double roundings).
     ///

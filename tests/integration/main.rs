@@ -19,6 +19,7 @@ mod layer_gradients;
 mod layer_layouts;
 mod layers;
 mod mask_rank;
+mod modifiers;
 mod partials;
 mod properties;
 mod reliability;
