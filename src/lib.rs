@@ -38,7 +38,7 @@ pub use gradients::AttentionGradients;
 pub use kv_cache::KvCache;
 pub use layer::{
     Attention, AttentionConfig, CausalAttention, ForwardCache, LayerGradients, LayerParameters,
-    TorchLinear,
+    RopeConfig, TorchLinear,
 };
 pub use options::{AttentionOptions, CausalAlignment};
 pub use partial::AttentionPartial;

@@ -129,7 +129,8 @@ impl<F: Element> Layer<F> {
         cache: &mut KvCache<F>,
     ) -> Result<Array3<F>, AttentionError> {
         self.check_step(x, cache)?;
-        let projected = self.project_all(x, x)?;
+        // The cache restarts: the prompt is at positions 0..len.
+        let projected = self.project_all(x, x, 0)?;
         let Heads { q, k, v } = self.split_all(&projected)?;
         let heads_out = self.heads_buffer(q.dim())?;
         cache.restart_with(k, v, |keys, values, opts| {
@@ -147,7 +148,8 @@ impl<F: Element> Layer<F> {
         cache: &mut KvCache<F>,
     ) -> Result<Array3<F>, AttentionError> {
         self.check_step(x, cache)?;
-        let projected = self.project_all(x, x)?;
+        // The absolute position, not a ring's slot: the keys go in rotated.
+        let projected = self.project_all(x, x, cache.total_len())?;
         let Heads { q, k, v } = self.split_all(&projected)?;
         let heads_out = self.heads_buffer(q.dim())?;
         // `check_step` matched the cache to the config, which was validated
