@@ -39,7 +39,7 @@ pub use gradients::AttentionGradients;
 pub use kv_cache::KvCache;
 pub use layer::{
     Attention, AttentionConfig, CausalAttention, ForwardCache, LayerGradients, LayerParameters,
-    TorchLinear,
+    RopeConfig, TorchLinear,
 };
 pub use modifiers::alibi_slopes;
 pub use options::{AttentionOptions, CausalAlignment};

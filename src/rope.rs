@@ -53,6 +53,7 @@ use crate::error::{AttentionError, ErrorKind, shape_error};
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum RopeLayout {
     /// Feature `i` pairs with feature `i + rotary_dim/2`: the first half of
     /// the rotary features holds the pairs' first coordinates. Hugging

@@ -32,6 +32,7 @@ use super::train::{ForwardCache, LayerGradients};
 use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
 use crate::options::AttentionOptions;
+use crate::rope::RopePositions;
 
 impl<F: Element> Layer<F> {
     /// The forward of `forward_batch`/`forward_cross` (`x_kv = None` for
@@ -113,14 +114,27 @@ impl<F: Element> Layer<F> {
         let d_concatenated = unrows(d_concatenated, batch, len_q)?;
         let d_out = split_heads(&d_concatenated, c.heads)?;
         // The one call of the attention's backward.
-        let attention: crate::AttentionGradients<F> = crate::scaled_dot_product_attention_backward(
-            q,
-            k,
-            v,
-            &cache.options,
-            &cache.attention,
-            d_out,
-        )?;
+        let mut attention: crate::AttentionGradients<F> =
+            crate::scaled_dot_product_attention_backward(
+                q,
+                k,
+                v,
+                &cache.options,
+                &cache.attention,
+                d_out,
+            )?;
+        // Through the rotation of the queries and keys (positions 0..len,
+        // as the forward rotated them), to the projections' outputs.
+        if let Some(table) = &self.rope {
+            for d in [&mut attention.d_q, &mut attention.d_k] {
+                crate::rope::apply_rope_backward_inplace(
+                    d.view_mut(),
+                    table,
+                    RopePositions::Start(0),
+                )
+                .map_err(|err| self.rope_error(err))?;
+            }
+        }
         let d_q = merge_heads_rows(attention.d_q.view())?;
         let d_k = merge_heads_rows(attention.d_k.view())?;
         let d_v = merge_heads_rows(attention.d_v.view())?;

@@ -4,7 +4,89 @@
 
 use std::hash::{Hash, Hasher};
 
-use crate::error::{AttentionError, ErrorKind};
+use crate::error::{AttentionError, ErrorKind, shape_error};
+use crate::rope::RopeLayout;
+
+/// Rotary position embeddings applied by a layer to its queries and keys,
+/// after the projections and the head split and before the attention: set
+/// with [`AttentionConfig::with_rope`].
+///
+/// - `theta`: the base of the frequencies, `inv_freq[i] = 1 / theta^(2i /
+///   rotary_dim)` (Hugging Face's default; 10000 in most models, 500000 in
+///   Llama 3);
+/// - `rotary_dim`: how many leading features of each query/key head rotate
+///   (`None`, the default: all `d_k` of them; even, `≤ d_k`);
+/// - `layout`: which features pair up ([`RopeLayout::HalfSplit`], the
+///   default, or [`RopeLayout::Interleaved`]);
+/// - `max_positions`: the layer builds one [`RopeTable`](crate::RopeTable)
+///   for positions `0..max_positions` when it is built; a token at or past
+///   it is an error.
+///
+/// A forward rotates the tokens of each sequence at positions `0..len`
+/// (queries and keys alike, also in cross-attention); a decode step at the
+/// cache's [`total_len`](crate::KvCache::total_len) onward, and the cache
+/// keeps the keys rotated, as Hugging Face's does.
+///
+/// ```
+/// use sdpa::{AttentionConfig, CausalAttention, RopeConfig, RopeLayout};
+///
+/// let rope = RopeConfig::new(10_000.0, 2048).with_rotary_dim(8).with_layout(RopeLayout::Interleaved);
+/// let config = AttentionConfig::new(64, 4).with_rope(rope);
+/// let layer = CausalAttention::<f32>::new_seeded(config, 0)?;
+/// assert_eq!(layer.config().rope, Some(rope));
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[non_exhaustive]
+pub struct RopeConfig {
+    /// The base of the frequencies.
+    pub theta: f64,
+    /// How many leading features of each head rotate; `None` means all
+    /// `d_k`.
+    pub rotary_dim: Option<usize>,
+    /// Which features pair up.
+    pub layout: RopeLayout,
+    /// One past the last position the layer's table holds.
+    pub max_positions: usize,
+}
+
+impl RopeConfig {
+    /// Rotary embeddings with base `theta` over all of each head's `d_k`
+    /// features, in the [`RopeLayout::HalfSplit`] layout, for positions
+    /// `0..max_positions`.
+    pub fn new(theta: f64, max_positions: usize) -> Self {
+        Self {
+            theta,
+            rotary_dim: None,
+            layout: RopeLayout::HalfSplit,
+            max_positions,
+        }
+    }
+
+    /// Rotates only the first `rotary_dim` features of each head (partial
+    /// rotary: GPT-NeoX's `rotary_pct`, GPT-J's `rotary_dim`).
+    pub fn with_rotary_dim(mut self, rotary_dim: usize) -> Self {
+        self.rotary_dim = Some(rotary_dim);
+        self
+    }
+
+    /// Pairs the features as `layout` says.
+    pub fn with_layout(mut self, layout: RopeLayout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// What equality and hashing compare (`theta` by its bits).
+    fn key(&self) -> (u64, Option<usize>, RopeLayout, usize) {
+        (
+            self.theta.to_bits(),
+            self.rotary_dim,
+            self.layout,
+            self.max_positions,
+        )
+    }
+}
 
 /// The dimensions of an attention layer.
 ///
@@ -29,7 +111,9 @@ use crate::error::{AttentionError, ErrorKind};
 /// - `d_model_out`: the width of the output projection `W^O`
 ///   `[heads·d_v, d_model_out]` (`None`, the default: no output projection, the
 ///   output is the `heads·d_v` concatenated heads);
-/// - `bias`: whether every projection adds a bias vector (default `false`).
+/// - `bias`: whether every projection adds a bias vector (default `false`);
+/// - `rope`: rotary position embeddings applied to the queries and keys
+///   (`None`, the default: none; [`with_rope`](Self::with_rope)).
 ///
 /// The sizes are checked when a layer is built from the config (or
 /// parameters are loaded for it): a zero size, `heads` not dividing
@@ -96,6 +180,9 @@ pub struct AttentionConfig {
     /// Whether every projection (`W^Q`, `W^K`, `W^V` and `W^O` if present)
     /// adds a bias vector.
     pub bias: bool,
+    /// Rotary position embeddings applied to the queries and keys, if any.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub rope: Option<RopeConfig>,
 }
 
 impl AttentionConfig {
@@ -124,6 +211,7 @@ impl AttentionConfig {
             d_model_kv: None,
             d_model_out: None,
             bias: false,
+            rope: None,
         }
     }
 
@@ -186,6 +274,15 @@ impl AttentionConfig {
         self
     }
 
+    /// Applies rotary position embeddings to the queries and keys (see
+    /// [`RopeConfig`]). Checked when the layer is built: an odd
+    /// `rotary_dim`, one larger than `d_k`, or a `theta` that is not finite
+    /// and positive is an error.
+    pub fn with_rope(mut self, rope: RopeConfig) -> Self {
+        self.rope = Some(rope);
+        self
+    }
+
     /// The width of each head's queries and keys: `head_dim` if set, else
     /// `d_model / heads` (rounded down, and 0 when `heads` is 0: a layer
     /// rejects both a width the heads do not divide and zero heads).
@@ -211,7 +308,14 @@ impl AttentionConfig {
 
     /// Everything that makes the layer, with the head widths resolved.
     #[allow(clippy::type_complexity)]
-    fn key(&self) -> ([usize; 3], [Option<usize>; 4], bool) {
+    fn key(
+        &self,
+    ) -> (
+        [usize; 3],
+        [Option<usize>; 4],
+        bool,
+        Option<(u64, Option<usize>, RopeLayout, usize)>,
+    ) {
         let d_k = self.exact_d_k();
         (
             [self.d_model, self.heads, self.kv_heads],
@@ -222,6 +326,7 @@ impl AttentionConfig {
                 self.d_model_out,
             ],
             self.bias,
+            self.rope.as_ref().map(RopeConfig::key),
         )
     }
 
@@ -310,6 +415,32 @@ impl AttentionConfig {
                 ));
             }
         }
+        if let Some(rope) = &self.rope {
+            if !(rope.theta.is_finite() && rope.theta > 0.0) {
+                return Err(AttentionError::new(
+                    ErrorKind::InvalidOption,
+                    format!(
+                        "the rope's theta must be finite and positive, got {}",
+                        rope.theta
+                    ),
+                ));
+            }
+            let rotary_dim = rope.rotary_dim.unwrap_or(d_k);
+            if !rotary_dim.is_multiple_of(2) {
+                return Err(AttentionError::new(
+                    ErrorKind::InvalidOption,
+                    format!(
+                        "the rope's rotary_dim must be even (the features rotate in pairs), got \
+                         rotary_dim = {rotary_dim} (d_k = {d_k})"
+                    ),
+                ));
+            }
+            if rotary_dim > d_k {
+                return Err(shape_error(format!(
+                    "the rope's rotary_dim = {rotary_dim} is larger than the head width d_k = {d_k}"
+                )));
+            }
+        }
         Ok(())
     }
 }
@@ -332,7 +463,7 @@ impl Hash for AttentionConfig {
 pub(crate) fn describe_config(config: &AttentionConfig) -> String {
     format!(
         "the config d_model = {}, d_model_kv = {}, heads = {}, kv_heads = {}, d_k = {}, d_v = {}, \
-         d_model_out = {:?}, bias = {}",
+         d_model_out = {:?}, bias = {}, rope = {:?}",
         config.d_model,
         config.kv_input_width(),
         config.heads,
@@ -340,6 +471,7 @@ pub(crate) fn describe_config(config: &AttentionConfig) -> String {
         config.d_k(),
         config.d_v(),
         config.d_model_out,
-        config.bias
+        config.bias,
+        config.rope
     )
 }

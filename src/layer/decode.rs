@@ -98,6 +98,11 @@ impl<F: Element> CausalAttention<F> {
     /// `[batch, n, output_width]`: rows `total_len .. total_len + n` of what
     /// [`forward_batch`](Self::forward_batch) gives on the whole sequence.
     ///
+    /// With rotary embeddings ([`AttentionConfig::with_rope`](crate::AttentionConfig::with_rope)),
+    /// the new queries and keys are at positions `total_len .. total_len + n`
+    /// (the absolute count, also in a ring cache), and the keys are cached
+    /// rotated.
+    ///
     /// The scale is `1/√d_k`; other options (masks, bias) are not taken,
     /// as their shapes would depend on the cache.
     ///
@@ -108,7 +113,10 @@ impl<F: Element> CausalAttention<F> {
     /// [`ErrorKind::TooLarge`](crate::ErrorKind::TooLarge) or
     /// [`ErrorKind::OutOfMemory`](crate::ErrorKind::OutOfMemory) when the
     /// projections, the output or the cache's grown buffers cannot be
-    /// addressed or allocated. The cache is unchanged on error.
+    /// addressed or allocated;
+    /// [`ErrorKind::Positions`](crate::ErrorKind::Positions) when a new
+    /// token's position is past the rope's `max_positions`. The cache is
+    /// unchanged on error.
     pub fn step(
         &self,
         x_new: ArrayView3<'_, F>,
@@ -129,7 +137,8 @@ impl<F: Element> Layer<F> {
         cache: &mut KvCache<F>,
     ) -> Result<Array3<F>, AttentionError> {
         self.check_step(x, cache)?;
-        let projected = self.project_all(x, x)?;
+        // The cache restarts: the prompt is at positions 0..len.
+        let projected = self.project_all(x, x, 0)?;
         let Heads { q, k, v } = self.split_all(&projected)?;
         let heads_out = self.heads_buffer(q.dim())?;
         cache.restart_with(k, v, |keys, values, opts| {
@@ -147,7 +156,8 @@ impl<F: Element> Layer<F> {
         cache: &mut KvCache<F>,
     ) -> Result<Array3<F>, AttentionError> {
         self.check_step(x, cache)?;
-        let projected = self.project_all(x, x)?;
+        // The absolute position, not a ring's slot: the keys go in rotated.
+        let projected = self.project_all(x, x, cache.total_len())?;
         let Heads { q, k, v } = self.split_all(&projected)?;
         let heads_out = self.heads_buffer(q.dim())?;
         // `check_step` matched the cache to the config, which was validated

@@ -11,6 +11,7 @@ use super::config::AttentionConfig;
 use super::params::LayerParameters;
 use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
+use crate::rope::RopeTable;
 
 impl<F: Element> Layer<F> {
     pub(super) fn new(
@@ -19,7 +20,12 @@ impl<F: Element> Layer<F> {
     ) -> Result<Self, AttentionError> {
         config.check()?;
         parameters.check(&config)?;
-        Ok(Self { config, parameters })
+        let rope = rope_table(&config)?;
+        Ok(Self {
+            config,
+            parameters,
+            rope,
+        })
     }
 
     /// The seed's single-head layer, its config read off the matrices' shapes.
@@ -56,6 +62,7 @@ impl<F: Element> Layer<F> {
         Ok(Self {
             config,
             parameters: LayerParameters::new(w_q, w_k, w_v),
+            rope: None,
         })
     }
 
@@ -78,13 +85,31 @@ impl<F: Element> Layer<F> {
     /// biases.
     pub(super) fn new_seeded(config: AttentionConfig, seed: u64) -> Result<Self, AttentionError> {
         config.check()?;
+        let rope = rope_table(&config)?;
         let mut parameters = LayerParameters::zeros(&config)?;
         let mut rng = SplitMix64::new(seed);
         for weight in parameters.weights_mut() {
             fill_xavier_uniform(&mut rng, weight);
         }
-        Ok(Self { config, parameters })
+        Ok(Self {
+            config,
+            parameters,
+            rope,
+        })
     }
+}
+
+/// The rotary table a checked config asks for, if any.
+fn rope_table<F: Element>(
+    config: &AttentionConfig,
+) -> Result<Option<RopeTable<F>>, AttentionError> {
+    let Some(rope) = config.rope else {
+        return Ok(None);
+    };
+    let rotary_dim = rope.rotary_dim.unwrap_or(config.d_k());
+    let table = RopeTable::new(rotary_dim, rope.theta, rope.max_positions)
+        .map_err(|err| AttentionError::new(err.kind(), format!("the layer's rope: {err}")))?;
+    Ok(Some(table.with_layout(rope.layout)))
 }
 
 /// Fills a `[fan_in, fan_out]` matrix from `U(−a, a)`,

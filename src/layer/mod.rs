@@ -42,7 +42,7 @@ mod train;
 
 use ndarray::{Array2, ArrayViewMutD};
 
-pub use config::AttentionConfig;
+pub use config::{AttentionConfig, RopeConfig};
 pub use layouts::TorchLinear;
 pub use params::LayerParameters;
 pub use train::{ForwardCache, LayerGradients};
@@ -53,6 +53,7 @@ use crate::error::AttentionError;
 use crate::kv_cache::KvCache;
 #[cfg(doc)]
 use crate::options::AttentionOptions;
+use crate::rope::RopeTable;
 
 /// An attention layer, bidirectional unless its options say otherwise:
 /// `Q = X_q·W^Q + b_q`, `K = X_kv·W^K + b_k`, `V = X_kv·W^V + b_v`, split
@@ -151,6 +152,8 @@ pub struct CausalAttention<F> {
 struct Layer<F> {
     config: AttentionConfig,
     parameters: LayerParameters<F>,
+    /// The cosines and sines of `config.rope`, built with the layer.
+    rope: Option<RopeTable<F>>,
 }
 
 impl<F: Element> Attention<F> {

@@ -24,8 +24,8 @@
 
 use ndarray::linalg::general_mat_mul;
 use ndarray::{
-    Array, Array1, Array2, Array3, Array4, ArrayView2, ArrayView3, ArrayView4, Axis, CowArray,
-    Dimension, IntoDimension, Ix3, ShapeError,
+    Array, Array1, Array2, Array3, Array4, ArrayView2, ArrayView3, ArrayView4, ArrayViewMut4, Axis,
+    CowArray, Dimension, IntoDimension, Ix3, ShapeError,
 };
 
 use super::Layer;
@@ -34,6 +34,7 @@ use crate::alloc::{element_count, try_with_capacity, try_zeros};
 use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
 use crate::options::AttentionOptions;
+use crate::rope::RopePositions;
 
 impl<F: Element> Layer<F> {
     /// The projections of one sequence `x` `[len, d_model]` for
@@ -55,7 +56,7 @@ impl<F: Element> Layer<F> {
     ) -> Result<Projected<F>, AttentionError> {
         self.check_query_width("x", x.shape(), "[batch, len, d_model]")?;
         self.check_self_attention()?;
-        self.project_all(x, x)
+        self.project_all(x, x, 0)
     }
 
     /// The projections for cross-attention: queries from `x_q`
@@ -76,21 +77,42 @@ impl<F: Element> Layer<F> {
                 x_kv.shape()
             )));
         }
-        self.project_all(x_q, x_kv)
+        self.project_all(x_q, x_kv, 0)
     }
 
-    /// `x_q · W^Q + b_q`, `x_kv · W^K + b_k`, `x_kv · W^V + b_v`.
+    /// `x_q · W^Q + b_q`, `x_kv · W^K + b_k`, `x_kv · W^V + b_v`; with
+    /// rotary embeddings, the queries and keys rotated, token `i` of each
+    /// sequence at position `start + i`.
     pub(super) fn project_all(
         &self,
         x_q: ArrayView3<'_, F>,
         x_kv: ArrayView3<'_, F>,
+        start: usize,
     ) -> Result<Projected<F>, AttentionError> {
         let w = &self.parameters;
-        Ok(Projected {
+        let mut projected = Projected {
             q: project(x_q, &w.w_q, w.b_q.as_ref())?,
             k: project(x_kv, &w.w_k, w.b_k.as_ref())?,
             v: project(x_kv, &w.w_v, w.b_v.as_ref())?,
-        })
+        };
+        if let Some(table) = &self.rope {
+            let c = &self.config;
+            for (x, heads) in [(&mut projected.q, c.heads), (&mut projected.k, c.kv_heads)] {
+                let x = split_heads_mut(x, heads)?;
+                crate::rope::apply_rope_inplace(x, table, RopePositions::Start(start))
+                    .map_err(|err| self.rope_error(err))?;
+            }
+        }
+        Ok(projected)
+    }
+
+    /// Names the layer's `max_positions` in a rotary error.
+    pub(super) fn rope_error(&self, err: AttentionError) -> AttentionError {
+        let max_positions = self.config.rope.map_or(0, |rope| rope.max_positions);
+        AttentionError::new(
+            err.kind(),
+            format!("the layer's rope (max_positions = {max_positions}): {err}"),
+        )
     }
 
     /// The projections `[batch, len, heads·d]` as `[batch, heads, len, d]` views.
@@ -336,6 +358,19 @@ pub(super) fn split_heads<F>(
     let (batch, len, width) = x.dim();
     let split = x
         .view()
+        .into_shape_with_order((batch, len, heads, width / heads))
+        .map_err(reshape_error)?;
+    Ok(split.permuted_axes([0, 2, 1, 3]))
+}
+
+/// [`split_heads`], writable.
+pub(super) fn split_heads_mut<F>(
+    x: &mut Array3<F>,
+    heads: usize,
+) -> Result<ArrayViewMut4<'_, F>, AttentionError> {
+    let (batch, len, width) = x.dim();
+    let split = x
+        .view_mut()
         .into_shape_with_order((batch, len, heads, width / heads))
         .map_err(reshape_error)?;
     Ok(split.permuted_axes([0, 2, 1, 3]))

@@ -17,6 +17,7 @@ mod fuzz;
 mod kv_cache;
 mod layer_gradients;
 mod layer_layouts;
+mod layer_rope;
 mod layers;
 mod mask_rank;
 mod modifiers;
