@@ -10,7 +10,7 @@ use ndarray::{
 use super::decode;
 use super::pack::PackedHead;
 use super::tile::{KeySource, QueryTile, TilePosition};
-use super::{KEY_TILE, QUERY_TILE};
+use super::{KEY_TILE, forward_query_tile};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
 use crate::parallel::{map_with, split_into_chunks};
@@ -79,6 +79,7 @@ fn prefill<K: Kernel>(
         }
     }
     let keys = 0..shape.len_kv;
+    let query_tile = forward_query_tile(call);
     let results = map_with(
         jobs,
         || (),
@@ -89,14 +90,14 @@ fn prefill<K: Kernel>(
             packed.pack::<K>(head(&call.k, b, kv_h), head(&call.v, b, kv_h));
             let mut tiles = Vec::new();
             for (h, (out_head, lse_head)) in job_heads {
-                let out_tiles = split_into_chunks(out_head, Axis(0), QUERY_TILE);
+                let out_tiles = split_into_chunks(out_head, Axis(0), query_tile);
                 let mut lse_tiles =
-                    lse_head.map(|lse| split_into_chunks(lse, Axis(0), QUERY_TILE).into_iter());
+                    lse_head.map(|lse| split_into_chunks(lse, Axis(0), query_tile).into_iter());
                 for (t, out_tile) in out_tiles.into_iter().enumerate() {
                     let at = TilePosition {
                         b,
                         h,
-                        i0: t * QUERY_TILE,
+                        i0: t * query_tile,
                         rows: out_tile.nrows(),
                     };
                     let lse_tile = lse_tiles.as_mut().and_then(Iterator::next);
@@ -109,7 +110,7 @@ fn prefill<K: Kernel>(
             };
             map_with(
                 tiles,
-                || QueryTile::new::<K>(&shape, QUERY_TILE),
+                || QueryTile::new::<K>(&shape, query_tile),
                 |tile, (at, mut out_tile, lse_tile)| {
                     let tile = tile.as_mut().map_err(|error| error.clone())?;
                     tile.attend(kernel, call, &at, &source, keys.clone());

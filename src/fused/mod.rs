@@ -48,8 +48,28 @@ use crate::simd;
 
 /// Query rows per work item. With 64 keys per tile, the score tile is
 /// 96 × 64 × 4 B = 24 KiB, and a key or value tile at d = 64 is 16 KiB: the
-/// working set of one step sits in L1/L2.
+/// working set of one step sits in L1/L2. The backward always uses it; the
+/// forward uses it unless [`forward_query_tile`] picks the causal one.
 pub(crate) const QUERY_TILE: usize = 96;
+/// Query rows per forward work item when a causal rule bounds the keys: a
+/// query tile on the diagonal computes up to the end of the key tile that
+/// holds its last row's diagonal, so its masked-off triangle grows with its
+/// height. Halving the tile halves that waste (at N = 256, a sixth fewer
+/// score entries) for more passes over each key tile, which sit in L2.
+pub(crate) const CAUSAL_QUERY_TILE: usize = 48;
+
+/// The forward's query tile for a call: chosen by the call's shape and
+/// options only (never the thread count or CPU), so results stay bitwise
+/// identical for any number of threads. Each row's result does not depend
+/// on the tile height anyway: rows are independent and see the same key
+/// tiles in the same order.
+pub(crate) fn forward_query_tile(call: &Call<'_, f32>) -> usize {
+    if call.opts.causal.is_some() {
+        CAUSAL_QUERY_TILE
+    } else {
+        QUERY_TILE
+    }
+}
 /// Keys per tile: a multiple of every kernel set's key panel.
 pub(crate) const KEY_TILE: usize = 64;
 /// Calls with at most this many query rows per head are decoding steps:
