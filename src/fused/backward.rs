@@ -90,7 +90,7 @@ impl WithKernel for Backward<'_, '_, '_> {
             .collect();
         let results = map_with(
             jobs.clone(),
-            || BackwardScratch::new::<K>(&shape),
+            || BackwardScratch::new::<K>(&shape, call.forward.opts.softcap.is_some()),
             |scratch, (b, kv_h)| {
                 let scratch = scratch.as_mut().map_err(|error| error.clone())?;
                 head_gradients(kernel, call, scratch, b, kv_h)
@@ -228,12 +228,12 @@ struct BackwardScratch {
 }
 
 impl BackwardScratch {
-    fn new<K: Kernel>(shape: &AttentionShape) -> Result<Self, AttentionError> {
+    fn new<K: Kernel>(shape: &AttentionShape, softcap: bool) -> Result<Self, AttentionError> {
         Ok(BackwardScratch {
             keys_first: PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v)?,
             values_first: PackedHead::new::<K>(shape.len_kv, shape.d_v, shape.d_k)?,
             rows: QueryRows::new::<K>(shape)?,
-            tiles: TileBuffers::new::<K>(),
+            tiles: TileBuffers::new::<K>(softcap),
         })
     }
 }
@@ -271,18 +271,19 @@ struct TileBuffers {
     d_s: Vec<f32>,
     /// All ones: the `α` of accumulations that only add.
     ones: Vec<f32>,
-    /// With a softcap, `1 − tanh²(s/cap)` of each score, `[QUERY_TILE][KEY_TILE]`.
+    /// With a softcap, `1 − tanh²(s/cap)` of each score, `[QUERY_TILE][KEY_TILE]`;
+    /// empty without one.
     softcap_slopes: Vec<f32>,
 }
 
 impl TileBuffers {
-    fn new<K: Kernel>() -> Self {
+    fn new<K: Kernel>(softcap: bool) -> Self {
         let rows = QUERY_TILE.div_ceil(K::ROWS) * K::ROWS;
         TileBuffers {
             p: vec![0.0; rows * KEY_TILE],
             d_s: vec![0.0; rows * KEY_TILE],
             ones: vec![1.0; rows.max(KEY_TILE)],
-            softcap_slopes: vec![0.0; rows * KEY_TILE],
+            softcap_slopes: vec![0.0; if softcap { rows * KEY_TILE } else { 0 }],
         }
     }
 
