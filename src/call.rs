@@ -124,12 +124,13 @@ pub(crate) fn check<'a, F: Element>(
     if let Some(bias) = &opts.bias {
         check_broadcast("bias", bias.shape(), opts.bias_given.rank, &full)?;
     }
-    if let Some(lengths) = opts.key_lengths {
+    for (name, given) in [("key_lengths", opts.key_lengths), ("key_starts", opts.key_starts)] {
+        let Some(lengths) = given else { continue };
         if lengths.len() != shape.batch {
             return Err(AttentionError::new(
                 ErrorKind::KeyLengths,
                 format!(
-                    "key_lengths has {} entries but batch is {}: {}",
+                    "{name} has {} entries but batch is {}: {}",
                     lengths.len(),
                     shape.batch,
                     layouts()
@@ -144,7 +145,7 @@ pub(crate) fn check<'a, F: Element>(
             return Err(AttentionError::new(
                 ErrorKind::KeyLengths,
                 format!(
-                    "key_lengths[{b}] = {len} is past len_kv = {}: {}",
+                    "{name}[{b}] = {len} is past len_kv = {}: {}",
                     total_len_kv,
                     layouts()
                 ),

@@ -18,7 +18,8 @@ pub enum ErrorKind {
     HeadsNotDivisible,
     /// A keep mask or bias cannot be broadcast to `[batch, heads, len_q, len_kv]`.
     NotBroadcastable,
-    /// A key length is past `len_kv`, or the wrong number of key lengths was given.
+    /// A key length or key start is past `len_kv`, or the wrong number of
+    /// them was given.
     KeyLengths,
     /// A scale or other scalar option is not finite.
     InvalidOption,

@@ -116,10 +116,11 @@ impl<F: Copy> Call<'_, F> {
             Some(CausalAlignment::BottomRight) if len_kv >= len_q => i + 1 + (len_kv - len_q),
             Some(CausalAlignment::BottomRight) => (i + 1).saturating_sub(len_q - len_kv),
         };
-        let start = match opts.window {
+        let window_start = match opts.window {
             Some(window) => diagonal_end.saturating_sub(window),
             None => 0,
         };
+        let start = window_start.max(opts.key_starts.map_or(0, |starts| starts[b]));
         let key_length = opts.key_lengths.map_or(len_kv, |lengths| lengths[b]);
         let end = diagonal_end.min(len_kv).min(key_length);
         // From the whole sequence's indices to the call's own.

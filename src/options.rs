@@ -1,5 +1,5 @@
 //! [`AttentionOptions`]: which keys each query may see (causal alignment,
-//! keep mask, key lengths, window, key shard), the scale, and an additive
+//! keep mask, key lengths and starts, window, key shard), the scale, and an additive
 //! bias. A builder only: what the options mean for each query row is
 //! `mask.rs`'s business.
 
@@ -41,6 +41,8 @@ pub enum CausalAlignment {
 /// of these hold:
 /// - the causal rule, if any, allows it ([`CausalAlignment`]);
 /// - `j < key_lengths[b]`, if key lengths were given;
+/// - `j ≥ key_starts[b]`, if key starts were given;
+/// - `j` is within the [`window`](Self::window), if one was given;
 /// - `keep_mask[b, h, i, j]` is `true`, if a keep mask was given.
 ///
 /// Invisible keys get weight exactly 0 by selection, so NaN or ±inf in their
@@ -68,6 +70,7 @@ pub struct AttentionOptions<'a, F> {
     pub(crate) keep_mask: Option<ArrayView4<'a, bool>>,
     pub(crate) bias: Option<ArrayView4<'a, F>>,
     pub(crate) key_lengths: Option<&'a [usize]>,
+    pub(crate) key_starts: Option<&'a [usize]>,
     pub(crate) window: Option<usize>,
     pub(crate) key_shard: Option<KeyShard>,
     /// How the keep mask was given, for the call's check.
@@ -89,6 +92,7 @@ impl<F> Default for AttentionOptions<'_, F> {
             keep_mask: None,
             bias: None,
             key_lengths: None,
+            key_starts: None,
             window: None,
             key_shard: None,
             keep_mask_given: Given::default(),
@@ -187,6 +191,32 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
     /// and invisible. One length per batch item, each `≤ len_kv`.
     pub fn key_lengths(mut self, key_lengths: &'a [usize]) -> Self {
         self.key_lengths = Some(key_lengths);
+        self
+    }
+
+    /// For each batch item `b`, keys at index `< key_starts[b]` are padding
+    /// and invisible: the left padding of a batch whose sequences end
+    /// together (as Hugging Face pads prompts for batched generation), where
+    /// [`key_lengths`](Self::key_lengths) is the right padding. One start
+    /// per batch item, each `≤ len_kv` (with
+    /// [`key_shard`](Self::key_shard), indices in the whole sequence). A
+    /// query row with no visible key outputs zeros, so with `.causal()` the
+    /// padded query rows of a left-padded prompt are zeros.
+    ///
+    /// ```
+    /// use ndarray::Array4;
+    /// use sdpa::AttentionOptions;
+    ///
+    /// // Two sequences of lengths 3 and 2, left-padded to 3.
+    /// let x = Array4::<f64>::ones((2, 1, 3, 2));
+    /// let opts = AttentionOptions::new().causal().key_starts(&[0, 1]);
+    /// let w = sdpa::core::attention_weights(x.view(), x.view(), &opts)?;
+    /// assert_eq!(w.slice(ndarray::s![1, 0, 2, ..]).to_vec(), vec![0.0, 0.5, 0.5]);
+    /// assert_eq!(w.slice(ndarray::s![1, 0, 0, ..]).to_vec(), vec![0.0; 3]); // a padded row
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn key_starts(mut self, key_starts: &'a [usize]) -> Self {
+        self.key_starts = Some(key_starts);
         self
     }
 
@@ -332,6 +362,7 @@ impl<F: Copy> AttentionOptions<'_, F> {
             keep_mask: self.keep_mask.as_ref().map(|mask| mask.view()),
             bias: self.bias.as_ref().map(|bias| bias.view()),
             key_lengths: self.key_lengths,
+            key_starts: self.key_starts,
             window: self.window,
             key_shard: self.key_shard,
             keep_mask_given: self.keep_mask_given.clone(),

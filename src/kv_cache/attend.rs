@@ -4,6 +4,9 @@
 //! (see the module header of `kv_cache` for the one exception, a full
 //! ring's single new token).
 
+use std::borrow::Cow;
+
+use super::attended::{Attended, DecodeCall, check_decode_options};
 use super::check::{KEYS, VALUES, zeroed_buffer};
 use crate::element::Element;
 use crate::error::{AttentionError, ErrorKind};
@@ -13,54 +16,55 @@ use ndarray::{Array4, ArrayView4, ArrayViewMut4, Axis, s};
 use super::KvCache;
 
 impl<F: Element> KvCache<F> {
-    /// [`attend_into`](Self::attend_into) on checked arguments.
+    /// [`attend_into_with`](Self::attend_into_with) on checked arguments.
     pub(super) fn attend_into_prechecked(
         &mut self,
         q: ArrayView4<'_, F>,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
+        opts: &AttentionOptions<'_, F>,
         out: ArrayViewMut4<'_, F>,
     ) -> Result<(), AttentionError> {
-        self.attend_next_with(k, v, |keys, values, opts| {
-            crate::scaled_dot_product_attention_into(q, keys, values, opts, out)
-        })
+        self.attend_next_with(k, v, opts, |attended| attended.attend_into(q, out))
     }
 
-    /// The step of [`attend_into`](Self::attend_into) with the attention
-    /// left to the caller (a layer's decoding step, which also projects
-    /// the output): `attention` gets the keys and values the next `n`
-    /// positions' queries attend over, and the options that say which
-    /// each sees; `k` and `v`, which must fit the cache (a layer's
-    /// projections do by construction), are stored only once it succeeds.
-    /// On any error, from it or from sizing and allocating the buffers,
-    /// the cache is unchanged.
+    /// The step of [`attend_into_with`](Self::attend_into_with) with the
+    /// attention left to the caller (a layer's decoding step, which also
+    /// projects the output): `attention` gets what the next `n` positions'
+    /// queries attend over ([`Attended`]), under the caller's `opts`
+    /// (checked by [`check_decode_options`] as a step); `k` and `v`, which
+    /// must fit the cache (a layer's projections do by construction), are
+    /// stored only once it succeeds. On any error, from it or from sizing
+    /// and allocating the buffers, the cache is unchanged.
     pub(crate) fn attend_next_with<R>(
         &mut self,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        attention: impl FnOnce(
-            ArrayView4<'_, F>,
-            ArrayView4<'_, F>,
-            &AttentionOptions<'_, F>,
-        ) -> Result<R, AttentionError>,
+        opts: &AttentionOptions<'_, F>,
+        attention: impl FnOnce(&Attended<'_, F>) -> Result<R, AttentionError>,
     ) -> Result<R, AttentionError> {
         debug_assert!(
             self.check_new(&k, &v).is_ok(),
             "the caller promised keys and values that fit the cache"
         );
+        check_decode_options(opts, self.window.is_some(), DecodeCall::Step)?;
         let n = k.len_of(Axis(2));
         if n == 0 {
             // No query: nothing to see, nothing to store.
-            return attention(
+            let first = self.total_len - self.len;
+            let attended = Attended::in_order(
                 self.keys(),
                 self.values(),
-                &AttentionOptions::new().causal(),
+                opts.reborrow(),
+                self.window,
+                self.starts_from(first),
             );
+            return attention(&attended);
         }
         let total_len = self.total_after(n)?;
         let result = match self.window {
-            None => self.attend_growing(k, v, attention)?,
-            Some(window) => self.attend_in_ring(k, v, window, attention)?,
+            None => self.attend_growing(k, v, opts, attention)?,
+            Some(window) => self.attend_in_ring(k, v, window, opts, attention)?,
         };
         self.total_len = total_len;
         Ok(result)
@@ -68,38 +72,36 @@ impl<F: Element> KvCache<F> {
 
     /// [`attend_next_with`](Self::attend_next_with) for the first positions
     /// of a new sequence (a layer's prefill): `attention` gets `k` and `v`
-    /// themselves, as the cache would hold them once cleared; only once it
-    /// succeeds is the cache cleared and `k`, `v` stored. A growing cache
-    /// too small for them grows as an append to an empty cache would, its
-    /// buffers allocated before `attention` is called. On any error the
-    /// cache is unchanged.
+    /// themselves, as the cache would hold them once cleared, under `opts`
+    /// (checked as a prefill's, with no `key_lengths`: a right-padded
+    /// prompt comes here moved to the left) and with `key_starts`, each
+    /// sequence's left padding, which the cache keeps for the steps that
+    /// follow. Only once it succeeds is the cache cleared and `k`, `v`
+    /// stored. A growing cache too small for them grows as an append to an
+    /// empty cache would, its buffers allocated before `attention` is
+    /// called. On any error the cache is unchanged.
     pub(crate) fn restart_with<R>(
         &mut self,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        attention: impl FnOnce(
-            ArrayView4<'_, F>,
-            ArrayView4<'_, F>,
-            &AttentionOptions<'_, F>,
-        ) -> Result<R, AttentionError>,
+        opts: &AttentionOptions<'_, F>,
+        attention: impl FnOnce(&Attended<'_, F>) -> Result<R, AttentionError>,
     ) -> Result<R, AttentionError> {
         debug_assert!(
             self.check_new(&k, &v).is_ok(),
             "the caller promised keys and values that fit the cache"
         );
+        check_decode_options(opts, self.window.is_some(), DecodeCall::Prefill)?;
+        debug_assert!(opts.key_lengths.is_none(), "right padding is moved left first");
         let n = k.len_of(Axis(2));
-        let (opts, grown) = match self.window {
-            Some(window) => (AttentionOptions::new().window(window), None),
-            None if n > self.capacity() => {
-                let capacity = self.grown_capacity(n);
-                (
-                    AttentionOptions::new().causal(),
-                    Some(self.buffers(capacity)?),
-                )
-            }
-            None => (AttentionOptions::new().causal(), None),
+        let grown = match self.window {
+            None if n > self.capacity() => Some(self.buffers(self.grown_capacity(n))?),
+            _ => None,
         };
-        let result = attention(k, v, &opts)?;
+        let mut user = opts.reborrow();
+        user.key_starts = None;
+        let starts = opts.key_starts.map(Cow::Borrowed);
+        let result = attention(&Attended::in_order(k, v, user, self.window, starts))?;
         self.clear();
         match self.window {
             Some(window) => self.push_into_ring(k, v, window),
@@ -113,7 +115,23 @@ impl<F: Element> KvCache<F> {
             }
         }
         self.total_len = n;
+        // Only starts past 0 mean padding; `call::check` has bounded them by n.
+        self.key_starts = opts
+            .key_starts
+            .filter(|starts| starts.iter().any(|&start| start > 0))
+            .map(<[usize]>::to_vec);
         Ok(result)
+    }
+
+    /// Each sequence's first real position relative to position `first`
+    /// (the first key an [`Attended`] holds), if any sequence is padded.
+    pub(super) fn starts_from(&self, first: usize) -> Option<Cow<'_, [usize]>> {
+        let starts = self.key_starts.as_deref()?;
+        Some(if first == 0 {
+            Cow::Borrowed(starts)
+        } else {
+            Cow::Owned(starts.iter().map(|start| start.saturating_sub(first)).collect())
+        })
     }
 
     /// The position count after `n` more positions, or an error if it
@@ -139,19 +157,22 @@ impl<F: Element> KvCache<F> {
         &mut self,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        attention: impl FnOnce(
-            ArrayView4<'_, F>,
-            ArrayView4<'_, F>,
-            &AttentionOptions<'_, F>,
-        ) -> Result<R, AttentionError>,
+        opts: &AttentionOptions<'_, F>,
+        attention: impl FnOnce(&Attended<'_, F>) -> Result<R, AttentionError>,
     ) -> Result<R, AttentionError> {
         // `total_after` has checked `total_len + n`, and `len` is `total_len`.
         let needed = self.len + k.len_of(Axis(2));
         let filled = s![.., .., ..needed, ..];
-        let opts = AttentionOptions::new().causal();
         let result = if needed <= self.capacity() {
             self.write(k, v, self.len);
-            attention(self.keys.slice(filled), self.values.slice(filled), &opts)?
+            let attended = Attended::in_order(
+                self.keys.slice(filled),
+                self.values.slice(filled),
+                opts.reborrow(),
+                None,
+                self.starts_from(0),
+            );
+            attention(&attended)?
         } else {
             let (mut keys, mut values) = self.buffers(self.grown_capacity(needed))?;
             let held = s![.., .., ..self.len, ..];
@@ -160,7 +181,15 @@ impl<F: Element> KvCache<F> {
             let new = s![.., .., self.len..needed, ..];
             keys.slice_mut(new).assign(&k);
             values.slice_mut(new).assign(&v);
-            let result = attention(keys.slice(filled), values.slice(filled), &opts)?;
+            let attended = Attended::in_order(
+                keys.slice(filled),
+                values.slice(filled),
+                opts.reborrow(),
+                None,
+                self.starts_from(0),
+            );
+            let result = attention(&attended)?;
+            drop(attended);
             self.keys = keys;
             self.values = values;
             result
@@ -202,10 +231,15 @@ mod tests {
     //! The staging of new entries, with an attention that fails: the
     //! public API cannot make a checked attention fail on demand.
 
-    use ndarray::{Array4, ArrayView4, Axis};
+    use ndarray::Array4;
 
     use super::KvCache;
     use crate::error::{AttentionError, ErrorKind};
+    use crate::options::AttentionOptions;
+
+    fn options() -> AttentionOptions<'static, f64> {
+        AttentionOptions::new()
+    }
 
     /// `[1, 1, n, 1]` keys (and values) holding `from..from + n`.
     fn positions(from: usize, n: usize) -> Array4<f64> {
@@ -256,22 +290,19 @@ mod tests {
                 let before = state(&cache);
                 let new = positions(100, n);
                 let mut seen = 0;
-                let result: Result<(), _> = cache.attend_next_with(
-                    new.view(),
-                    new.view(),
-                    |keys: ArrayView4<'_, f64>, _, _| {
-                        seen = keys.len_of(Axis(2));
+                let result: Result<(), _> =
+                    cache.attend_next_with(new.view(), new.view(), &options(), |attended| {
+                        seen = attended.keys().count();
                         // The new entries are among those the queries see.
-                        assert!(keys.iter().any(|&k| k == 100.0), "case {case}, n {n}");
+                        assert!(attended.keys().any(|&k| k == 100.0), "case {case}, n {n}");
                         Err(injected())
-                    },
-                );
+                    });
                 assert_eq!(result.unwrap_err(), injected());
                 assert!(seen >= n, "case {case}, n {n}");
                 assert_eq!(state(&cache), before, "case {case}, n {n}");
 
                 let result: Result<(), _> =
-                    cache.restart_with(new.view(), new.view(), |_, _, _| Err(injected()));
+                    cache.restart_with(new.view(), new.view(), &options(), |_| Err(injected()));
                 assert_eq!(result.unwrap_err(), injected());
                 assert_eq!(state(&cache), before, "case {case}, n {n}, restart");
             }
@@ -283,7 +314,7 @@ mod tests {
         for (case, mut cache) in caches().into_iter().enumerate() {
             let new = positions(100, 2);
             cache
-                .attend_next_with(new.view(), new.view(), |_, _, _| Ok(()))
+                .attend_next_with(new.view(), new.view(), &options(), |_| Ok(()))
                 .unwrap();
             let held: Vec<f64> = cache.keys().iter().copied().collect();
             assert!(
@@ -291,7 +322,7 @@ mod tests {
                 "case {case}: {held:?}"
             );
             cache
-                .restart_with(new.view(), new.view(), |_, _, _| Ok(()))
+                .restart_with(new.view(), new.view(), &options(), |_| Ok(()))
                 .unwrap();
             let held: Vec<f64> = cache.keys().iter().copied().collect();
             assert_eq!(

@@ -39,13 +39,20 @@
 //! prefill) does with the keys and values.
 
 mod attend;
+mod attended;
 mod check;
+mod padding;
 mod ring;
+
+pub(crate) use attended::Attended;
+pub(crate) use padding::RightPadding;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4, Axis, s};
 
 use crate::element::Element;
 use crate::error::{AttentionError, ErrorKind};
+use crate::options::AttentionOptions;
+use attended::{DecodeCall, check_decode_options};
 use check::{KEYS, VALUES, check_dims, zeroed_buffer};
 
 /// The keys and values of `batch` sequences being decoded, for incremental
@@ -113,6 +120,10 @@ pub struct KvCache<F> {
     /// In a ring, the slot of the oldest entry held. Whenever the ring is
     /// not full it is 0, so the entries held are always slots `0..len`.
     oldest_slot: usize,
+    /// Each sequence's first real position, when a padded prompt made
+    /// some start later than others (left padding); `None` when every
+    /// sequence starts at position 0.
+    key_starts: Option<Vec<usize>>,
 }
 
 impl<F: Element> KvCache<F> {
@@ -208,6 +219,7 @@ impl<F: Element> KvCache<F> {
             total_len: 0,
             window,
             oldest_slot: 0,
+            key_starts: None,
         })
     }
 
@@ -279,6 +291,16 @@ impl<F: Element> KvCache<F> {
         self.len = 0;
         self.total_len = 0;
         self.oldest_slot = 0;
+        self.key_starts = None;
+    }
+
+    /// Each sequence's first real position, when the prompt given to
+    /// [`prefill`](Self::prefill) was padded (on either side: a
+    /// right-padded prompt is stored left-padded, so that the sequences end
+    /// together); `None` when every sequence starts at position 0. Keys
+    /// before a sequence's start are never attended.
+    pub fn key_starts(&self) -> Option<&[usize]> {
+        self.key_starts.as_deref()
     }
 
     /// Drops the newest positions so that `total_len` positions remain
@@ -356,7 +378,7 @@ impl<F: Element> KvCache<F> {
         self.check_new(&k, &v)?;
         let total_len = self.total_after(k.len_of(Axis(2)))?;
         match self.window {
-            None => self.attend_growing(k, v, |_, _, _| Ok(()))?,
+            None => self.attend_growing(k, v, &AttentionOptions::new(), |_| Ok(()))?,
             Some(window) => self.push_into_ring(k, v, window),
         }
         self.total_len = total_len;
@@ -393,13 +415,7 @@ impl<F: Element> KvCache<F> {
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
     ) -> Result<Array4<F>, AttentionError> {
-        let (batch, heads, n, _) = q.dim();
-        let shape = [batch, heads, n, self.d_v()];
-        self.check_new(&k, &v)?;
-        self.check_queries(&q, &k, &shape)?;
-        let mut out = zeroed_buffer("the output [batch, heads, n, d_v]", shape)?;
-        self.attend_into_prechecked(q, k, v, out.view_mut())?;
-        Ok(out)
+        self.attend_with(q, k, v, &AttentionOptions::new())
     }
 
     /// [`attend`](Self::attend) writing into `out`
@@ -416,8 +432,185 @@ impl<F: Element> KvCache<F> {
         v: ArrayView4<'_, F>,
         out: ArrayViewMut4<'_, F>,
     ) -> Result<(), AttentionError> {
+        self.attend_into_with(q, k, v, &AttentionOptions::new(), out)
+    }
+
+    /// [`attend`](Self::attend) with options: what
+    /// [`crate::scaled_dot_product_attention`] with `opts` gives over the
+    /// whole sequence, for the newest `n` rows. Decoding takes
+    /// - [`scale`](AttentionOptions::scale), [`alibi`](AttentionOptions::alibi),
+    ///   [`sinks`](AttentionOptions::sinks), [`softcap`](AttentionOptions::softcap):
+    ///   as in a forward; ALiBi's distances are the positions' (also in a
+    ///   ring, whose rotated keys are then attended in position order);
+    /// - [`window`](AttentionOptions::window): a sliding window on a
+    ///   growing cache (a ring keeps to the narrower of its own and this);
+    /// - [`bias`](AttentionOptions::bias) and
+    ///   [`keep_mask`](AttentionOptions::keep_mask), growing cache only:
+    ///   `[.., n, total_len + n]` after broadcasting, column `j` for
+    ///   position `j` (the rows of a whole-sequence bias for the new
+    ///   positions);
+    /// - [`causal`](AttentionOptions::causal), which changes nothing:
+    ///   decoding is bottom-right causal.
+    ///
+    /// Each sequence's padding, if its prompt was padded, is the cache's
+    /// (see [`prefill`](Self::prefill)).
+    ///
+    /// # Errors
+    /// As [`attend`](Self::attend);
+    /// [`ErrorKind::InvalidOption`] for `causal_aligned(TopLeft)`,
+    /// `key_shard`, `key_lengths` or `key_starts` (padding is given to
+    /// [`prefill`](Self::prefill)), a bias or keep mask on a ring, and
+    /// every error the options give in a forward (a slope per head, a
+    /// bias that does not broadcast). The cache is unchanged on error.
+    ///
+    /// ```
+    /// use ndarray::{s, Array4};
+    /// use sdpa::{alibi_slopes, scaled_dot_product_attention, AttentionOptions, KvCache};
+    ///
+    /// let x = Array4::<f32>::from_shape_fn((1, 2, 9, 8), |(_, h, i, d)| ((h + 2 * i + d) % 7) as f32 * 0.1);
+    /// let slopes: Vec<f32> = alibi_slopes(2).iter().map(|&s| s as f32).collect();
+    /// let opts = AttentionOptions::new().alibi(&slopes).softcap(5.0);
+    ///
+    /// // A ring of 4: ALiBi's distances follow the positions, not the slots.
+    /// let mut cache = KvCache::<f32>::with_window(4, 1, 2, 8, 8)?;
+    /// let mut last = cache.prefill(x.slice(s![.., .., ..3, ..]), x.slice(s![.., .., ..3, ..]), x.slice(s![.., .., ..3, ..]), &opts)?;
+    /// for t in 3..9 {
+    ///     let new = s![.., .., t..t + 1, ..];
+    ///     last = cache.attend_with(x.slice(new), x.slice(new), x.slice(new), &opts)?;
+    /// }
+    /// let full = scaled_dot_product_attention(x.view(), x.view(), x.view(), &opts.window(4))?;
+    /// for (a, b) in last.iter().zip(full.slice(s![.., .., 8.., ..])) {
+    ///     assert!((a - b).abs() < 1e-5);
+    /// }
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn attend_with(
+        &mut self,
+        q: ArrayView4<'_, F>,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<Array4<F>, AttentionError> {
+        let mut out = self.output_for(&q, &k, &v)?;
+        self.attend_into_prechecked(q, k, v, opts, out.view_mut())?;
+        Ok(out)
+    }
+
+    /// [`attend_with`](Self::attend_with) writing into `out`
+    /// `[batch, heads, n, d_v]` (any strides); allocates no output.
+    ///
+    /// # Errors
+    /// As [`attend_with`](Self::attend_with), and when `out` does not have
+    /// the output's shape. The cache is unchanged on error; `out` may have
+    /// been written.
+    pub fn attend_into_with(
+        &mut self,
+        q: ArrayView4<'_, F>,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+        out: ArrayViewMut4<'_, F>,
+    ) -> Result<(), AttentionError> {
         self.check_new(&k, &v)?;
         self.check_queries(&q, &k, out.shape())?;
-        self.attend_into_prechecked(q, k, v, out)
+        self.attend_into_prechecked(q, k, v, opts, out)
+    }
+
+    /// Starts new sequences: clears the cache, then attends the prompt's
+    /// queries `q` `[batch, heads, n, d_k]` causally over its keys `k` and
+    /// values `v` (within the window, in a ring), with `opts` as in
+    /// [`attend_with`](Self::attend_with), and keeps the keys and values.
+    /// Returns `[batch, heads, n, d_v]`.
+    ///
+    /// Sequences of different lengths go in one padded prompt, with their
+    /// padding in `opts`:
+    /// - **left-padded** (as Hugging Face pads for batched generation):
+    ///   [`key_starts`](AttentionOptions::key_starts), sequence `b`'s tokens at
+    ///   `key_starts[b]..n`;
+    /// - **right-padded**: [`key_lengths`](AttentionOptions::key_lengths),
+    ///   sequence `b`'s tokens at `0..key_lengths[b]`. The cache stores them
+    ///   left-padded (moved to the end of the prompt) so that every
+    ///   sequence's next token is position `n`; the result is returned in
+    ///   the prompt's own layout.
+    ///
+    /// Every later step then appends one position to each sequence, and no
+    /// query ever sees another sequence's padding. Rows of padding see no
+    /// key and output zeros. Moving a sequence shifts all its positions alike, so what
+    /// depends on distances (the causal rule, ALiBi, rotary embeddings
+    /// applied at the positions' differences) is unchanged.
+    ///
+    /// # Errors
+    /// As [`attend_with`](Self::attend_with), but padding is allowed here:
+    /// [`ErrorKind::KeyLengths`] for a length or start past `n` or not one
+    /// per sequence; [`ErrorKind::InvalidOption`] for both paddings at once,
+    /// or a right padding with a bias or keep mask (whose columns would
+    /// move). The cache is unchanged on error.
+    ///
+    /// ```
+    /// use ndarray::{s, Array4};
+    /// use sdpa::{scaled_dot_product_attention, AttentionOptions, KvCache};
+    ///
+    /// // Sequence 0 has 5 tokens, sequence 1 has 3, right-padded to 5.
+    /// let x = Array4::<f32>::from_shape_fn((2, 1, 7, 4), |(b, _, i, d)| ((3 * b + i + d) % 5) as f32 * 0.2);
+    /// let mut cache = KvCache::<f32>::new(2, 1, 4, 4, 8)?;
+    /// let prompt = x.slice(s![.., .., ..5, ..]);
+    /// cache.prefill(prompt, prompt, prompt, &AttentionOptions::new().key_lengths(&[5, 3]))?;
+    /// assert_eq!(cache.key_starts(), Some(&[0, 2][..]));
+    ///
+    /// // Sequence 1's next token attends to its own 3 tokens and itself.
+    /// let (q_new, kv_new) = (x.slice(s![.., .., 5..6, ..]), x.slice(s![.., .., 6..7, ..]));
+    /// let step = cache.attend(q_new, kv_new, kv_new)?;
+    /// let mut alone = x.slice(s![1..2, .., ..4, ..]).to_owned();
+    /// alone.slice_mut(s![.., .., 3, ..]).assign(&x.slice(s![1..2, .., 6, ..]));
+    /// let mut q_alone = alone.clone();
+    /// q_alone.slice_mut(s![.., .., 3, ..]).assign(&x.slice(s![1..2, .., 5, ..]));
+    /// let expected = scaled_dot_product_attention(q_alone.view(), alone.view(), alone.view(), &AttentionOptions::new().causal())?;
+    /// for (a, b) in step.slice(s![1, 0, 0, ..]).iter().zip(expected.slice(s![0, 0, 3, ..])) {
+    ///     assert!((a - b).abs() < 1e-6);
+    /// }
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn prefill(
+        &mut self,
+        q: ArrayView4<'_, F>,
+        k: ArrayView4<'_, F>,
+        v: ArrayView4<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+    ) -> Result<Array4<F>, AttentionError> {
+        let mut out = self.output_for(&q, &k, &v)?;
+        check_decode_options(opts, self.window.is_some(), DecodeCall::Prefill)?;
+        let Some(lengths) = opts.key_lengths else {
+            self.restart_with(k, v, opts, |attended| attended.attend_into(q, out.view_mut()))?;
+            return Ok(out);
+        };
+        let (batch, _, n, _) = k.dim();
+        let padding = RightPadding::new(lengths, batch, n)?;
+        let q_left = padding.to_left("the left-padded queries", q, Axis(2))?;
+        let k_left = padding.to_left("the left-padded keys", k, Axis(2))?;
+        let v_left = padding.to_left("the left-padded values", v, Axis(2))?;
+        let mut left_opts = opts.reborrow();
+        left_opts.key_lengths = None;
+        left_opts.key_starts = Some(padding.starts());
+        let mut out_left = zeroed_buffer("the left-padded output", out.dim().into())?;
+        self.restart_with(k_left.view(), v_left.view(), &left_opts, |attended| {
+            attended.attend_into(q_left.view(), out_left.view_mut())
+        })?;
+        padding.to_right(out_left.view(), Axis(2), out.view_mut());
+        Ok(out)
+    }
+
+    /// The checked shapes of a step's `q`, `k`, `v`, and a buffer for its
+    /// output.
+    fn output_for(
+        &self,
+        q: &ArrayView4<'_, F>,
+        k: &ArrayView4<'_, F>,
+        v: &ArrayView4<'_, F>,
+    ) -> Result<Array4<F>, AttentionError> {
+        let (batch, heads, n, _) = q.dim();
+        let shape = [batch, heads, n, self.d_v()];
+        self.check_new(k, v)?;
+        self.check_queries(q, k, &shape)?;
+        zeroed_buffer("the output [batch, heads, n, d_v]", shape)
     }
 }

@@ -5,9 +5,12 @@
 //! is not full, the oldest slot is 0 and the entries are slots `0..len`.
 //!
 //! Rotation does not matter to one new query, which sees every entry held
-//! (attention is invariant under a permutation of the keys). Several new
-//! queries need different ranges, so they are attended against the held
-//! entries unrolled into position order, followed by the new ones.
+//! (attention is invariant under a permutation of the keys), unless an
+//! option depends on positions (ALiBi, a narrower window, padding still
+//! held): then the two runs of the rotation are attended in position order
+//! and merged (`attended`). Several new queries need different ranges, so
+//! they are attended against the held entries unrolled into position
+//! order, followed by the new ones.
 //!
 //! The ring is written only once the attention has succeeded, with one
 //! exception: a single new token in a full ring takes the slot of the
@@ -17,6 +20,7 @@
 use ndarray::{Array4, ArrayView4, Axis, s};
 
 use super::KvCache;
+use super::attended::Attended;
 use super::check::{KEYS, VALUES, zeroed_buffer};
 use crate::element::Element;
 use crate::error::{AttentionError, ErrorKind};
@@ -58,51 +62,57 @@ impl<F: Element> KvCache<F> {
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
         window: usize,
-        attention: impl FnOnce(
-            ArrayView4<'_, F>,
-            ArrayView4<'_, F>,
-            &AttentionOptions<'_, F>,
-        ) -> Result<R, AttentionError>,
+        opts: &AttentionOptions<'_, F>,
+        attention: impl FnOnce(&Attended<'_, F>) -> Result<R, AttentionError>,
     ) -> Result<R, AttentionError> {
         if k.len_of(Axis(2)) == 1 {
-            return self.attend_one_in_ring(k, v, window, attention);
+            return self.attend_one_in_ring(k, v, window, opts, attention);
         }
         // Several: the held entries in position order, then the new ones,
         // under the window option. The new entries are written to the ring
         // only afterwards, as they would overwrite entries the first new
         // queries see.
-        let opts = AttentionOptions::new().window(window);
+        let first = self.total_len - self.len;
+        let starts = self.starts_from(first);
         let result = if self.len == 0 {
-            attention(k, v, &opts)?
+            attention(&Attended::in_order(k, v, opts.reborrow(), Some(window), starts))?
         } else {
             let (keys, values) = self.unrolled_with(&k, &v)?;
-            attention(keys.view(), values.view(), &opts)?
+            let attended =
+                Attended::in_order(keys.view(), values.view(), opts.reborrow(), Some(window), starts);
+            attention(&attended)?
         };
         self.push_into_ring(k, v, window);
         Ok(result)
     }
 
     /// One new token sees every entry held once it has replaced the one
-    /// that fell out of its window, whatever their order. In a ring that is
-    /// not full it goes to the first free slot, past those shown.
+    /// that fell out of its window. In a ring that is not full it goes to
+    /// the first free slot, past those shown, and the entries are in
+    /// position order; in a full ring they are in two runs, attended as
+    /// one in slot order when the options allow ([`Attended::order_free`]).
     fn attend_one_in_ring<R>(
         &mut self,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
         window: usize,
-        attention: impl FnOnce(
-            ArrayView4<'_, F>,
-            ArrayView4<'_, F>,
-            &AttentionOptions<'_, F>,
-        ) -> Result<R, AttentionError>,
+        opts: &AttentionOptions<'_, F>,
+        attention: impl FnOnce(&Attended<'_, F>) -> Result<R, AttentionError>,
     ) -> Result<R, AttentionError> {
-        let opts = AttentionOptions::new();
         if self.len < window {
             let slot = s![.., .., self.len..self.len + 1, ..];
             self.keys.slice_mut(slot).assign(&k);
             self.values.slice_mut(slot).assign(&v);
             let held = s![.., .., ..self.len + 1, ..];
-            let result = attention(self.keys.slice(held), self.values.slice(held), &opts)?;
+            let first = self.total_len - self.len;
+            let attended = Attended::in_order(
+                self.keys.slice(held),
+                self.values.slice(held),
+                opts.reborrow(),
+                Some(window),
+                self.starts_from(first),
+            );
+            let result = attention(&attended)?;
             self.len += 1;
             return Ok(result);
         }
@@ -113,7 +123,28 @@ impl<F: Element> KvCache<F> {
         old_value.assign(&self.values.slice(slot));
         self.keys.slice_mut(slot).assign(&k);
         self.values.slice_mut(slot).assign(&v);
-        match attention(self.keys.view(), self.values.view(), &opts) {
+        // The oldest position still seen is the one after the replaced entry's.
+        let starts = self.starts_from(self.total_len + 1 - window);
+        let result = {
+            let (keys, values) = (self.keys.view(), self.values.view());
+            let (user, ring) = (opts.reborrow(), Some(window));
+            let attended = if oldest + 1 == window
+                || Attended::order_free(opts, window, starts.as_deref())
+            {
+                Attended::in_order(keys, values, user, ring, starts)
+            } else {
+                let (older, newer) = (s![.., .., oldest + 1.., ..], s![.., .., ..=oldest, ..]);
+                Attended::in_two_runs(
+                    (keys.slice_move(older), values.slice_move(older)),
+                    (self.keys.slice(newer), self.values.slice(newer)),
+                    user,
+                    ring,
+                    starts,
+                )
+            };
+            attention(&attended)
+        };
+        match result {
             Ok(result) => {
                 self.oldest_slot = (oldest + 1) % window;
                 Ok(result)

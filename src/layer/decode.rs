@@ -10,9 +10,11 @@ use ndarray::{Array3, ArrayView3, Axis};
 
 use super::project::Heads;
 use super::{CausalAttention, Layer};
+use crate::alloc::try_zeros;
 use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, RightPadding};
+use crate::options::AttentionOptions;
 
 impl<F: Element> CausalAttention<F> {
     /// An empty growing [`KvCache`] shaped for this layer (its `kv_heads`,
@@ -86,7 +88,54 @@ impl<F: Element> CausalAttention<F> {
         x: ArrayView3<'_, F>,
         cache: &mut KvCache<F>,
     ) -> Result<Array3<F>, AttentionError> {
-        self.layer.prefill(x, cache)
+        self.layer.prefill(x, &AttentionOptions::new(), cache)
+    }
+
+    /// [`prefill`](Self::prefill) with options: those of
+    /// [`KvCache::prefill`], which say what decoding can take (scale,
+    /// ALiBi, sinks, softcap, a window, and on a growing cache a bias or
+    /// keep mask) and how a prompt of sequences of different lengths is
+    /// padded: on the left ([`key_starts`](AttentionOptions::key_starts))
+    /// or on the right ([`key_lengths`](AttentionOptions::key_lengths),
+    /// stored left-padded so that the sequences end together). Returns
+    /// `[batch, len, output_width]` in the prompt's layout; a row of
+    /// padding sees no key, so it is the output projection of zeros (its
+    /// bias, or zeros without one).
+    ///
+    /// With rotary embeddings, each token is rotated at its position in
+    /// the cache: a sequence's positions are its tokens' own shifted by its
+    /// padding, which leaves every score as it is (a rotary score depends
+    /// only on the difference of the two positions).
+    ///
+    /// # Errors
+    /// As [`step`](Self::step) and [`KvCache::prefill`]. The cache is
+    /// unchanged on error.
+    ///
+    /// ```
+    /// use ndarray::{s, Array3};
+    /// use sdpa::{AttentionConfig, AttentionOptions, CausalAttention};
+    ///
+    /// let layer = CausalAttention::<f32>::new_seeded(AttentionConfig::new(8, 2), 3)?;
+    /// let x = Array3::<f32>::from_shape_fn((2, 6, 8), |(b, i, j)| ((b + 3 * i + j) % 7) as f32 * 0.1);
+    /// // Sequence 1 is 4 tokens long, left-padded to 6.
+    /// let opts = AttentionOptions::new().key_starts(&[0, 2]);
+    /// let mut cache = layer.new_cache(2, 8)?;
+    /// let y = layer.prefill_with(x.view(), &opts, &mut cache)?;
+    ///
+    /// // Its rows are what the layer gives on its 4 tokens alone.
+    /// let alone = layer.forward_batch(x.slice(s![1..2, 2.., ..]))?;
+    /// for (a, b) in y.slice(s![1, 2.., ..]).iter().zip(alone.iter()) {
+    ///     assert!((a - b).abs() < 1e-5);
+    /// }
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn prefill_with(
+        &self,
+        x: ArrayView3<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+        cache: &mut KvCache<F>,
+    ) -> Result<Array3<F>, AttentionError> {
+        self.layer.prefill(x, opts, cache)
     }
 
     /// One decoding step: `x_new` `[batch, n, d_model]` are the next `n`
@@ -103,8 +152,7 @@ impl<F: Element> CausalAttention<F> {
     /// (the absolute count, also in a ring cache), and the keys are cached
     /// rotated.
     ///
-    /// The scale is `1/√d_k`; other options (masks, bias) are not taken,
-    /// as their shapes would depend on the cache.
+    /// The scale is `1/√d_k`; [`step_with`](Self::step_with) takes options.
     ///
     /// # Errors
     /// [`ErrorKind::ShapeMismatch`](crate::ErrorKind::ShapeMismatch) when
@@ -122,7 +170,47 @@ impl<F: Element> CausalAttention<F> {
         x_new: ArrayView3<'_, F>,
         cache: &mut KvCache<F>,
     ) -> Result<Array3<F>, AttentionError> {
-        self.layer.step(x_new, cache)
+        self.layer.step(x_new, &AttentionOptions::new(), cache)
+    }
+
+    /// [`step`](Self::step) with the options of [`KvCache::attend_with`]:
+    /// scale, ALiBi, sinks, softcap, a window, and on a growing cache a
+    /// bias or keep mask of `total_len + n` columns. Each sequence's
+    /// padding is the one its prompt was given to
+    /// [`prefill_with`](Self::prefill_with).
+    ///
+    /// # Errors
+    /// As [`step`](Self::step) and [`KvCache::attend_with`]. The cache is
+    /// unchanged on error.
+    ///
+    /// ```
+    /// use ndarray::{s, Array3};
+    /// use sdpa::{alibi_slopes, AttentionConfig, AttentionOptions, CausalAttention};
+    ///
+    /// let layer = CausalAttention::<f32>::new_seeded(AttentionConfig::new(8, 2), 5)?;
+    /// let x = Array3::<f32>::from_shape_fn((1, 7, 8), |(_, i, j)| ((2 * i + j) % 5) as f32 * 0.2);
+    /// let slopes: Vec<f32> = alibi_slopes(2).iter().map(|&s| s as f32).collect();
+    /// let opts = AttentionOptions::new().alibi(&slopes);
+    ///
+    /// let mut cache = layer.new_window_cache(1, 3)?;
+    /// layer.prefill_with(x.slice(s![.., ..4, ..]), &opts, &mut cache)?;
+    /// let mut last = None;
+    /// for t in 4..7 {
+    ///     last = Some(layer.step_with(x.slice(s![.., t..t + 1, ..]), &opts, &mut cache)?);
+    /// }
+    /// let full = layer.forward_batch_with(x.view(), &opts.window(3))?;
+    /// for (a, b) in last.unwrap().iter().zip(full.slice(s![.., 6.., ..])) {
+    ///     assert!((a - b).abs() < 1e-5);
+    /// }
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn step_with(
+        &self,
+        x_new: ArrayView3<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+        cache: &mut KvCache<F>,
+    ) -> Result<Array3<F>, AttentionError> {
+        self.layer.step(x_new, opts, cache)
     }
 }
 
@@ -134,25 +222,49 @@ impl<F: Element> Layer<F> {
     fn prefill(
         &self,
         x: ArrayView3<'_, F>,
+        opts: &AttentionOptions<'_, F>,
         cache: &mut KvCache<F>,
     ) -> Result<Array3<F>, AttentionError> {
         self.check_step(x, cache)?;
+        let Some(lengths) = opts.key_lengths else {
+            return self.prefill_left_padded(x, opts, cache);
+        };
+        let (batch, len, _) = x.dim();
+        let padding = RightPadding::new(lengths, batch, len)?;
+        let x_left = padding.to_left("the left-padded prompt", x, Axis(1))?;
+        let mut left_opts = opts.reborrow();
+        left_opts.key_lengths = None;
+        left_opts.key_starts = Some(padding.starts());
+        let y_left = self.prefill_left_padded(x_left.view(), &left_opts, cache)?;
+        let mut y = try_zeros("the output [batch, len, output_width]", y_left.raw_dim())?;
+        padding.to_right(y_left.view(), Axis(1), y.view_mut());
+        Ok(y)
+    }
+
+    /// [`prefill`](Self::prefill) of a prompt with no right padding.
+    fn prefill_left_padded(
+        &self,
+        x: ArrayView3<'_, F>,
+        opts: &AttentionOptions<'_, F>,
+        cache: &mut KvCache<F>,
+    ) -> Result<Array3<F>, AttentionError> {
         // The cache restarts: the prompt is at positions 0..len.
         let projected = self.project_all(x, x, 0)?;
         let Heads { q, k, v } = self.split_all(&projected)?;
         let heads_out = self.heads_buffer(q.dim())?;
-        cache.restart_with(k, v, |keys, values, opts| {
-            self.attend_heads(q, keys, values, opts, heads_out)
+        cache.restart_with(k, v, opts, |attended| {
+            self.attend_cached(q, attended, heads_out)
         })
     }
 
     /// The newest positions `x` `[batch, len_new, d_model]` of the sequences
     /// `cache` holds: attends their queries to everything cached and their
-    /// own keys and values (see [`KvCache::attend`]), which the cache then
-    /// keeps.
+    /// own keys and values (see [`KvCache::attend_with`]), which the cache
+    /// then keeps.
     fn step(
         &self,
         x: ArrayView3<'_, F>,
+        opts: &AttentionOptions<'_, F>,
         cache: &mut KvCache<F>,
     ) -> Result<Array3<F>, AttentionError> {
         self.check_step(x, cache)?;
@@ -162,8 +274,8 @@ impl<F: Element> Layer<F> {
         let heads_out = self.heads_buffer(q.dim())?;
         // `check_step` matched the cache to the config, which was validated
         // when the layer was built: the projections fit the cache.
-        cache.attend_next_with(k, v, |keys, values, opts| {
-            self.attend_heads(q, keys, values, opts, heads_out)
+        cache.attend_next_with(k, v, opts, |attended| {
+            self.attend_cached(q, attended, heads_out)
         })
     }
 

@@ -33,6 +33,7 @@ use super::config::describe_config;
 use crate::alloc::{element_count, try_with_capacity, try_zeros};
 use crate::element::Element;
 use crate::error::{AttentionError, shape_error};
+use crate::kv_cache::Attended;
 use crate::options::AttentionOptions;
 use crate::rope::RopePositions;
 
@@ -161,10 +162,33 @@ impl<F: Element> Layer<F> {
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
         opts: &AttentionOptions<'_, F>,
-        mut heads_out: Array4<F>,
+        heads_out: Array4<F>,
     ) -> Result<Array3<F>, AttentionError> {
-        let out = heads_out.view_mut().permuted_axes([0, 2, 1, 3]);
-        crate::scaled_dot_product_attention_into(q, k, v, opts, out)?;
+        self.attend_into_heads(heads_out, |out| {
+            crate::scaled_dot_product_attention_into(q, k, v, opts, out)
+        })
+    }
+
+    /// [`attend_heads`](Self::attend_heads) over what a KV cache gives a
+    /// decoding step.
+    pub(super) fn attend_cached(
+        &self,
+        q: ArrayView4<'_, F>,
+        attended: &Attended<'_, F>,
+        heads_out: Array4<F>,
+    ) -> Result<Array3<F>, AttentionError> {
+        self.attend_into_heads(heads_out, |out| attended.attend_into(q, out))
+    }
+
+    /// Runs `attention` into `heads_out` `[batch, len, heads, d_v]` seen as
+    /// `[batch, heads, len, d_v]`, then applies the [`output`](Self::output)
+    /// projection.
+    fn attend_into_heads(
+        &self,
+        mut heads_out: Array4<F>,
+        attention: impl FnOnce(ArrayViewMut4<'_, F>) -> Result<(), AttentionError>,
+    ) -> Result<Array3<F>, AttentionError> {
+        attention(heads_out.view_mut().permuted_axes([0, 2, 1, 3]))?;
         self.output(heads_out)
     }
 
