@@ -124,7 +124,10 @@ pub(crate) fn check<'a, F: Element>(
     if let Some(bias) = &opts.bias {
         check_broadcast("bias", bias.shape(), opts.bias_given.rank, &full)?;
     }
-    for (name, given) in [("key_lengths", opts.key_lengths), ("key_starts", opts.key_starts)] {
+    for (name, given) in [
+        ("key_lengths", opts.key_lengths),
+        ("key_starts", opts.key_starts),
+    ] {
         let Some(lengths) = given else { continue };
         if lengths.len() != shape.batch {
             return Err(AttentionError::new(

@@ -92,7 +92,10 @@ impl<F: Element> KvCache<F> {
             "the caller promised keys and values that fit the cache"
         );
         check_decode_options(opts, self.window.is_some(), DecodeCall::Prefill)?;
-        debug_assert!(opts.key_lengths.is_none(), "right padding is moved left first");
+        debug_assert!(
+            opts.key_lengths.is_none(),
+            "right padding is moved left first"
+        );
         let n = k.len_of(Axis(2));
         let grown = match self.window {
             None if n > self.capacity() => Some(self.buffers(self.grown_capacity(n))?),
@@ -130,7 +133,12 @@ impl<F: Element> KvCache<F> {
         Some(if first == 0 {
             Cow::Borrowed(starts)
         } else {
-            Cow::Owned(starts.iter().map(|start| start.saturating_sub(first)).collect())
+            Cow::Owned(
+                starts
+                    .iter()
+                    .map(|start| start.saturating_sub(first))
+                    .collect(),
+            )
         })
     }
 

@@ -133,12 +133,8 @@ impl<'a, F: Element> Attended<'a, F> {
         let split = keys.len_of(Axis(2));
         let total = split + later_keys.len_of(Axis(2));
         let shard = |offset| opts.clone().key_shard(offset, total);
-        let mut merged = crate::scaled_dot_product_attention_partial(
-            q.view(),
-            keys,
-            values,
-            &shard(0),
-        )?;
+        let mut merged =
+            crate::scaled_dot_product_attention_partial(q.view(), keys, values, &shard(0))?;
         let later = crate::scaled_dot_product_attention_partial(
             q,
             later_keys.view(),

@@ -580,7 +580,9 @@ impl<F: Element> KvCache<F> {
         let mut out = self.output_for(&q, &k, &v)?;
         check_decode_options(opts, self.window.is_some(), DecodeCall::Prefill)?;
         let Some(lengths) = opts.key_lengths else {
-            self.restart_with(k, v, opts, |attended| attended.attend_into(q, out.view_mut()))?;
+            self.restart_with(k, v, opts, |attended| {
+                attended.attend_into(q, out.view_mut())
+            })?;
             return Ok(out);
         };
         let (batch, _, n, _) = k.dim();

@@ -29,11 +29,18 @@ impl<'a> RightPadding<'a> {
     /// # Errors
     /// [`ErrorKind::KeyLengths`] when there is not one length per sequence
     /// or one is past `len`.
-    pub(crate) fn new(lengths: &'a [usize], batch: usize, len: usize) -> Result<Self, AttentionError> {
+    pub(crate) fn new(
+        lengths: &'a [usize],
+        batch: usize,
+        len: usize,
+    ) -> Result<Self, AttentionError> {
         if lengths.len() != batch {
             return Err(AttentionError::new(
                 ErrorKind::KeyLengths,
-                format!("key_lengths has {} entries but batch is {batch}", lengths.len()),
+                format!(
+                    "key_lengths has {} entries but batch is {batch}",
+                    lengths.len()
+                ),
             ));
         }
         if let Some((b, length)) = lengths.iter().enumerate().find(|&(_, &l)| l > len) {
@@ -83,8 +90,12 @@ impl<'a> RightPadding<'a> {
             sequence_mut(&mut out, b, axis, tokens).assign(&sequence(&left, b, axis, moved));
         });
         for (b, (&length, &start)) in self.lengths.iter().zip(&self.starts).enumerate() {
-            sequence_mut(&mut out, b, axis, Slice::from(length..))
-                .assign(&sequence(&left, b, axis, Slice::from(..start)));
+            sequence_mut(&mut out, b, axis, Slice::from(length..)).assign(&sequence(
+                &left,
+                b,
+                axis,
+                Slice::from(..start),
+            ));
         }
     }
 

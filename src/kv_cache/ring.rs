@@ -75,11 +75,22 @@ impl<F: Element> KvCache<F> {
         let first = self.total_len - self.len;
         let starts = self.starts_from(first);
         let result = if self.len == 0 {
-            attention(&Attended::in_order(k, v, opts.reborrow(), Some(window), starts))?
+            attention(&Attended::in_order(
+                k,
+                v,
+                opts.reborrow(),
+                Some(window),
+                starts,
+            ))?
         } else {
             let (keys, values) = self.unrolled_with(&k, &v)?;
-            let attended =
-                Attended::in_order(keys.view(), values.view(), opts.reborrow(), Some(window), starts);
+            let attended = Attended::in_order(
+                keys.view(),
+                values.view(),
+                opts.reborrow(),
+                Some(window),
+                starts,
+            );
             attention(&attended)?
         };
         self.push_into_ring(k, v, window);
@@ -128,20 +139,19 @@ impl<F: Element> KvCache<F> {
         let result = {
             let (keys, values) = (self.keys.view(), self.values.view());
             let (user, ring) = (opts.reborrow(), Some(window));
-            let attended = if oldest + 1 == window
-                || Attended::order_free(opts, window, starts.as_deref())
-            {
-                Attended::in_order(keys, values, user, ring, starts)
-            } else {
-                let (older, newer) = (s![.., .., oldest + 1.., ..], s![.., .., ..=oldest, ..]);
-                Attended::in_two_runs(
-                    (keys.slice_move(older), values.slice_move(older)),
-                    (self.keys.slice(newer), self.values.slice(newer)),
-                    user,
-                    ring,
-                    starts,
-                )
-            };
+            let attended =
+                if oldest + 1 == window || Attended::order_free(opts, window, starts.as_deref()) {
+                    Attended::in_order(keys, values, user, ring, starts)
+                } else {
+                    let (older, newer) = (s![.., .., oldest + 1.., ..], s![.., .., ..=oldest, ..]);
+                    Attended::in_two_runs(
+                        (keys.slice_move(older), values.slice_move(older)),
+                        (self.keys.slice(newer), self.values.slice(newer)),
+                        user,
+                        ring,
+                        starts,
+                    )
+                };
             attention(&attended)
         };
         match result {

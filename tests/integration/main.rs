@@ -6,6 +6,7 @@
 mod common;
 
 mod config;
+mod decode_options;
 
 mod backward;
 #[cfg(feature = "safetensors")]
