@@ -306,6 +306,8 @@ impl<F: Element> KvCache<F> {
     /// Drops the newest positions so that `total_len` positions remain
     /// (rolling back rejected tokens, say); nothing happens if `total_len`
     /// is not below [`total_len()`](Self::total_len). The buffers are kept.
+    /// A sequence cut back into its padding (see [`prefill`](Self::prefill))
+    /// starts again at the next position.
     ///
     /// A ring can only go back as far as it still holds what the next
     /// query needs: the `window − 1` positions before it. Once the ring has
@@ -336,10 +338,17 @@ impl<F: Element> KvCache<F> {
             None => {
                 self.len = total_len;
                 self.total_len = total_len;
-                Ok(())
             }
-            Some(window) => self.truncate_ring(total_len, window),
+            Some(window) => self.truncate_ring(total_len, window)?,
         }
+        // A sequence cut back into its padding starts again with the next
+        // position.
+        if let Some(starts) = &mut self.key_starts {
+            starts
+                .iter_mut()
+                .for_each(|start| *start = (*start).min(total_len));
+        }
+        Ok(())
     }
 
     /// Appends the keys `k` `[batch, kv_heads, n, d_k]` and values `v`

@@ -620,3 +620,33 @@ fn key_starts_hide_exactly_the_keys_a_keep_mask_would() {
 fn causal_if<F: Copy>(opts: AttentionOptions<'_, F>, causal: bool) -> AttentionOptions<'_, F> {
     if causal { opts.causal() } else { opts }
 }
+
+#[test]
+fn truncating_into_a_sequences_padding_restarts_it_at_the_next_position() {
+    let mut rng = Rng::new(31);
+    let x = rng.array::<f32>([2, KV_HEADS, 6, D]);
+    let q = rng.array::<f32>([2, HEADS, 6, D]);
+    for ring in [None, Some(8)] {
+        let mut cache = match ring {
+            Some(w) => KvCache::with_window(w, 2, KV_HEADS, D, D).unwrap(),
+            None => KvCache::new(2, KV_HEADS, D, D, 8).unwrap(),
+        };
+        let prompt = s![.., .., ..5, ..];
+        let opts = AttentionOptions::new().key_starts(&[0, 4]);
+        cache
+            .prefill(q.slice(prompt), x.slice(prompt), x.slice(prompt), &opts)
+            .unwrap();
+        cache.truncate(3).unwrap();
+        assert_eq!(cache.key_starts(), Some(&[0, 3][..]), "ring {ring:?}");
+        let new = s![.., .., 5..6, ..];
+        let out = cache
+            .attend(q.slice(new), x.slice(new), x.slice(new))
+            .unwrap();
+        // Sequence 1 has only its new token: the output is its value.
+        assert_close(
+            out.slice(s![1..2, ..1, .., ..]),
+            x.slice(s![1..2, ..1, 5..6, ..]),
+            "alone",
+        );
+    }
+}
