@@ -30,13 +30,23 @@
 //! the oldest entry's slot before attention (its query must not see that
 //! entry); the entry is copied aside first and put back on an error.
 //!
+//! Decoding takes options ([`KvCache::attend_with`], [`KvCache::prefill`]):
+//! the score modifiers, a window, and on a growing cache a bias or keep
+//! mask. Sequences of different lengths share the cache through a padded
+//! prompt, stored left-padded so that they end together; the cache keeps
+//! each one's start.
+//!
 //! This file holds the type and its public API; `attend` the staging of
-//! new entries around an attention; `ring` the ring's slot arithmetic,
-//! unrolling and truncation; `check` the checks of every argument and the
-//! sizes of the buffers. They only store and copy; the
-//! attention is [`crate::scaled_dot_product_attention_into`], or whatever
-//! the caller of `attend_next_with` and `restart_with` (a layer's step and
-//! prefill) does with the keys and values.
+//! new entries around an attention; `attended` what a step's queries
+//! attend over (one or two runs of keys in position order) and which
+//! options decoding takes; `padding` the move of a right-padded prompt to
+//! the left; `ring` the ring's slot arithmetic, unrolling and truncation;
+//! `check` the checks of every argument and the sizes of the buffers. They
+//! only store and copy; the attention is
+//! [`crate::scaled_dot_product_attention_into`] (or its partials, merged),
+//! run by `Attended::attend_into` for whoever called `attend_next_with` or
+//! `restart_with` (the cache's own `attend_with`, a layer's step and
+//! prefill).
 
 mod attend;
 mod attended;
@@ -72,8 +82,9 @@ use check::{KEYS, VALUES, check_dims, zeroed_buffer};
 /// [`CausalAttention::prefill`](crate::CausalAttention::prefill) and
 /// [`step`](crate::CausalAttention::step) do the projections too.
 ///
-/// All batch items share one length: the cache holds `batch` sequences
-/// decoded in lockstep.
+/// The cache holds `batch` sequences decoded in lockstep: every step
+/// appends the same number of positions to each. Sequences of different
+/// lengths start from a padded prompt (see [`prefill`](Self::prefill)).
 ///
 /// ```
 /// use ndarray::{s, Array4};
