@@ -463,7 +463,7 @@ impl<F: Element> LayerParameters<F> {
     /// the output projection. Heads come from `config`
     /// (`AttentionConfig::new(hidden_size, n_head)
     /// .with_output_projection(hidden_size).with_bias(true)`).
-    /// [`load_bloom_attention`](Self::load_bloom_attention) reads them from
+    /// `load_bloom_attention` (feature `safetensors`) reads them from
     /// a checkpoint.
     ///
     /// # Errors
