@@ -14,12 +14,16 @@ transformers versions only through rounding (the tests allow 1e-5 in f32).
 """
 
 import math
+import os
 import pathlib
 
-import torch
+# Models are built from local configs; nothing may be fetched from the hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
 import torch.nn.functional as F
-import transformers
-from safetensors.torch import save_file
+import transformers  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 
@@ -36,6 +40,51 @@ def save(name, tensors):
 def prefixed(prefix, module):
     # Persistent tensors only, as a checkpoint holds them.
     return {f"{prefix}.{k}": v for k, v in module.state_dict().items()}
+
+
+class AttentionRecorder:
+    """The hidden states an attention module is called with and the tensor it
+    returns, call by call, taken by a forward hook inside a whole model (so
+    the model builds the position embeddings, the mask and the cache)."""
+
+    def __init__(self, module):
+        self.inputs, self.outputs, self.args, self.kwargs = [], [], [], []
+        self.handle = module.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs, output):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        self.inputs.append(hidden.detach().clone())
+        self.outputs.append(output[0].detach().clone())
+        self.args.append(args)
+        self.kwargs.append(kwargs)
+
+    def remove(self):
+        self.handle.remove()
+
+
+def decode_outputs(base_model, attention, x, prompt, prefix):
+    """What `attention` (a module inside the one-layer `base_model`, a
+    transformers `*Model` taking `inputs_embeds`) computes on `x` whole, then
+    on its first `prompt` tokens with a fresh cache, then on each later token
+    alone against that cache: `{prefix}input` (the attention's input for the
+    whole sequence), `{prefix}output`, `{prefix}prefill_output` and
+    `{prefix}step_output` (the single-token calls, concatenated)."""
+    recorder = AttentionRecorder(attention)
+    with torch.no_grad():
+        base_model(inputs_embeds=x, use_cache=False)
+        cache = base_model(inputs_embeds=x[:, :prompt], use_cache=True).cache
+        for t in range(prompt, x.shape[1]):
+            cache = base_model(inputs_embeds=x[:, t:t + 1], cache=cache, use_cache=True).cache
+    recorder.remove()
+    full_input = recorder.inputs[0]
+    # The norm before the attention is per token: each call's input is a
+    # slice of the whole sequence's, so one input serves every call.
+    assert torch.equal(torch.cat(recorder.inputs[1:], dim=1), full_input)
+    steps = torch.cat(recorder.outputs[2:], dim=1)
+    # The cached path is the full forward's, up to rounding.
+    assert torch.allclose(steps, recorder.outputs[0][:, prompt:], atol=1e-5)
+    return {f"{prefix}input": full_input, f"{prefix}output": recorder.outputs[0],
+            f"{prefix}prefill_output": recorder.outputs[1], f"{prefix}step_output": steps}
 
 
 def torch_linear():
@@ -95,12 +144,17 @@ def hf_gpt2():
     save("hf_gpt2.safetensors", {**tensors, "input": x, "output": out})
 
 
-def hf_llama_like(name, cls, config_cls, bias):
+def hf_llama_like(name, cls, config_cls, model_cls, bias, rope_theta):
     """A Llama-family attention with GQA (4 query heads, 2 key/value heads of 8).
 
-    Its RoPE is made the identity by passing cos = 1, sin = 0 as the position
-    embeddings, so the whole forward (projections, grouped causal attention,
-    o_proj) is comparable until the crate has rotary embeddings."""
+    `output` was run with cos = 1, sin = 0 as the position embeddings, which
+    makes its RoPE the identity: the projections and the grouped causal
+    attention alone. The `rope.` tensors are the same attention, weights and
+    all, inside a one-layer `model_cls` (whose RMSNorm makes the attention's
+    input) with real rotary embeddings of base `rope_theta` over the whole
+    head: 2 sequences of 9 tokens, whole (`rope.output`), then the first 6
+    with a fresh `DynamicCache` (`rope.prefill_output`) and tokens 6, 7, 8
+    one at a time against it (`rope.step_output`)."""
     torch.manual_seed(4)
     kwargs = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   intermediate_size=64, num_hidden_layers=1, attention_dropout=0.0)
@@ -119,6 +173,12 @@ def hf_llama_like(name, cls, config_cls, bias):
         tensors = {**prefixed("attn", attn), "input": x, "output": out,
                    "q": attn.q_proj(x), "k": attn.k_proj(x), "v": attn.v_proj(x),
                    "o": attn.o_proj(x)}  # o_proj of the input: its width is heads·head_dim too
+    rope_config = config_cls(**kwargs, vocab_size=16, attn_implementation="eager",
+                             rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+    model = model_cls(rope_config).eval()
+    model.layers[0].self_attn.load_state_dict(attn.state_dict())
+    x = torch.randn(2, 9, 32)
+    tensors.update(decode_outputs(model, model.layers[0].self_attn, x, 6, "rope."))
     save(f"{name}.safetensors", tensors)
 
 
@@ -130,6 +190,8 @@ if __name__ == "__main__":
     hf_gpt2()
     llama = transformers.models.llama.modeling_llama
     qwen2 = transformers.models.qwen2.modeling_qwen2
-    hf_llama_like("hf_llama", llama.LlamaAttention, transformers.LlamaConfig, bias=False)
+    hf_llama_like("hf_llama", llama.LlamaAttention, transformers.LlamaConfig, llama.LlamaModel,
+                  bias=False, rope_theta=500000.0)
     # Qwen2: biases on q_proj, k_proj and v_proj, none on o_proj.
-    hf_llama_like("hf_qwen2", qwen2.Qwen2Attention, transformers.Qwen2Config, bias=True)
+    hf_llama_like("hf_qwen2", qwen2.Qwen2Attention, transformers.Qwen2Config, qwen2.Qwen2Model,
+                  bias=True, rope_theta=1000000.0)

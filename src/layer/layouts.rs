@@ -1,8 +1,9 @@
 //! [`LayerParameters`] from the layouts other frameworks store them in, so
 //! that a transpose cannot be skipped by accident: PyTorch `nn.Linear`
 //! (`[out, in]`, also Hugging Face's Llama, Mistral and Qwen2 projections),
-//! `nn.MultiheadAttention`'s fused `in_proj_weight`, and GPT-2's `Conv1D`
-//! (`[in, out]`, fused `c_attn`). Each tensor is checked in its *source*
+//! `nn.MultiheadAttention`'s fused `in_proj_weight`, GPT-2's `Conv1D`
+//! (`[in, out]`, fused `c_attn`), and BLOOM's and GPT-NeoX's
+//! `query_key_value` (fused per head). Each tensor is checked in its *source*
 //! layout, so a message names the tensor and shows the shape as the
 //! checkpoint has it next to the shape the config asks for.
 //!
@@ -228,6 +229,55 @@ pub(super) fn split_fused<F: Element>(
     }))
 }
 
+/// Splits a `[heads·3·d_k, d_model]` weight (`[out, in]`) fused *per head*,
+/// and its bias: the rows of head `h` are its query, key and value in turn,
+/// row `(3h + t)·d_k + e` being feature `e` of part `t` (0 query, 1 key,
+/// 2 value). BLOOM's and GPT-NeoX's `query_key_value`, a
+/// `view(..., heads, 3, head_dim)` of the projection. Each head has its own
+/// key and value, so the config must have `kv_heads = heads` and `d_v = d_k`.
+pub(super) fn split_fused_per_head<F: Element>(
+    (weight_name, weight): (&str, ArrayView2<'_, F>),
+    bias: Option<(&str, ArrayView1<'_, F>)>,
+    config: &AttentionConfig,
+) -> Result<[Part<F>; 3], AttentionError> {
+    let (heads, d) = (config.heads, config.d_k());
+    if config.kv_input_width() != config.d_model || config.kv_heads != heads || config.d_v() != d {
+        return Err(shape_error(format!(
+            "tensor `{weight_name}` fuses a query, key and value of width d_k per head, for heads \
+             of one input, but {} has grouped key/value heads, d_v != d_k or its own key/value \
+             width",
+            describe_config(config)
+        )));
+    }
+    let layout = "[heads·3·d_k, d_model] = [out, in], each head's query, key and value in turn";
+    expect_shape(
+        weight_name,
+        weight.shape(),
+        &[3 * heads * d, config.d_model],
+        layout,
+        config,
+    )?;
+    if let Some((name, bias)) = bias {
+        expect_shape(
+            name,
+            bias.shape(),
+            &[3 * heads * d],
+            "[heads·3·d_k]",
+            config,
+        )?;
+    }
+    // Column `c` of part `t` (head c / d, feature c % d) is this source row.
+    let row = |t: usize, c: usize| (3 * (c / d) + t) * d + c % d;
+    Ok([0, 1, 2].map(|t| Part {
+        weight: Array2::from_shape_fn((config.d_model, heads * d), |(i, c)| weight[[row(t, c), i]]),
+        bias: bias.map(|(_, b)| Array1::from_shape_fn(heads * d, |c| b[row(t, c)])),
+        bias_name: bias.map_or_else(String::new, |(name, _)| {
+            let part = ["query", "key", "value"][t];
+            format!("{name} (the {part} rows of each head)")
+        }),
+    }))
+}
+
 /// The parameters from four parts (`W^O`'s optional), with the rules on
 /// biases: with `config.bias`, a missing bias is zero (Qwen2's `o_proj`,
 /// Whisper's `k_proj`) but at least one must be there; without it, none
@@ -404,6 +454,51 @@ impl<F: Element> LayerParameters<F> {
             .map(|o| linear_part(3, "out_proj.", &o, config))
             .transpose()?;
         assemble(config, parts, o.map(|o| ("out_proj.weight", o)))
+    }
+
+    /// Parameters from a projection fused per head, BLOOM's and GPT-NeoX's
+    /// `query_key_value` (`nn.Linear`): `weight` `[3·hidden, hidden]`
+    /// (`[out, in]`) whose output rows are `[heads, 3, head_dim]`, each
+    /// head's query, key and value rows in turn, and its `bias`; `dense`,
+    /// the output projection. Heads come from `config`
+    /// (`AttentionConfig::new(hidden_size, n_head)
+    /// .with_output_projection(hidden_size).with_bias(true)`).
+    /// `load_bloom_attention` (feature `safetensors`) reads them from
+    /// a checkpoint.
+    ///
+    /// # Errors
+    /// As [`from_torch_linear`](Self::from_torch_linear), naming
+    /// `query_key_value.weight`, `query_key_value.bias`, `dense.weight` or
+    /// `dense.bias`; [`ErrorKind::ShapeMismatch`] also when the config has
+    /// grouped key/value heads, `d_v != d_k` or a key/value width of its
+    /// own (the layout has none of these).
+    ///
+    /// ```
+    /// use ndarray::{Array1, Array2};
+    /// use sdpa::{AttentionConfig, LayerParameters};
+    ///
+    /// // 2 heads of 2: rows 0..2 head 0's query, 2..4 its key, 4..6 its value, 6..8 head 1's query...
+    /// let config = AttentionConfig::new(4, 2);
+    /// let weight = Array2::<f32>::from_shape_fn((12, 4), |(row, i)| (row * 4 + i) as f32);
+    /// let parameters = LayerParameters::from_bloom_query_key_value(&config, weight.view(), None, None)?;
+    /// // Head 1's query (rows 6..8) is W^Q's columns 2..4, transposed to [in, out].
+    /// assert_eq!(parameters.w_q[[0, 2]], weight[[6, 0]]);
+    /// assert_eq!(parameters.w_v[[3, 1]], weight[[5, 3]]);
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn from_bloom_query_key_value(
+        config: &AttentionConfig,
+        weight: ArrayView2<'_, F>,
+        bias: Option<ArrayView1<'_, F>>,
+        dense: Option<TorchLinear<'_, F>>,
+    ) -> Result<Self, AttentionError> {
+        config.check()?;
+        let bias = bias.map(|b| ("query_key_value.bias", b));
+        let parts = split_fused_per_head(("query_key_value.weight", weight), bias, config)?;
+        let o = dense
+            .map(|o| linear_part(3, "dense.", &o, config))
+            .transpose()?;
+        assemble(config, parts, o.map(|o| ("dense.weight", o)))
     }
 
     /// Parameters from GPT-2's attention (`transformers`' `GPT2Attention`),

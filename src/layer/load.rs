@@ -7,7 +7,9 @@
 use ndarray::{Array1, Array2, ArrayD, Ix1, Ix2};
 
 use super::config::{AttentionConfig, describe_config};
-use super::layouts::{TorchLinear, assemble, conv1d_part, linear_part, split_fused};
+use super::layouts::{
+    Part, TorchLinear, assemble, conv1d_part, linear_part, split_fused, split_fused_per_head,
+};
 use super::params::LayerParameters;
 use crate::checkpoint::{Checkpoint, join};
 use crate::element::Element;
@@ -61,6 +63,32 @@ fn required<F: Element>(
     config: &AttentionConfig,
 ) -> Result<Array2<F>, AttentionError> {
     matrix(checkpoint, name, config)?.ok_or_else(|| checkpoint.missing(name))
+}
+
+/// The output projection, an `nn.Linear` `{module}.weight` (and optional
+/// `.bias`), with the weight's full name: `None` when the checkpoint has no
+/// such weight and the config no output projection (a weight there without
+/// one in the config is read, for `assemble` to report).
+fn output_linear<F: Element>(
+    checkpoint: &Checkpoint,
+    module: &str,
+    config: &AttentionConfig,
+) -> Result<(String, Option<Part<F>>), AttentionError> {
+    let module = join(module, "");
+    let o_weight = format!("{module}weight");
+    let o = match matrix::<F>(checkpoint, &o_weight, config)? {
+        Some(weight) => {
+            let bias = vector::<F>(checkpoint, &format!("{module}bias"), config)?;
+            let mut linear = TorchLinear::new(weight.view());
+            if let Some(bias) = &bias {
+                linear = linear.with_bias(bias.view());
+            }
+            Some(linear_part(3, &module, &linear, config)?)
+        }
+        None if config.d_model_out.is_some() => return Err(checkpoint.missing(&o_weight)),
+        None => None,
+    };
+    Ok((o_weight, o))
 }
 
 impl<F: Element> LayerParameters<F> {
@@ -193,20 +221,7 @@ impl<F: Element> LayerParameters<F> {
         let bias = vector::<F>(checkpoint, &b_name, config)?;
         let bias = bias.as_ref().map(|b| (b_name.as_str(), b.view()));
         let parts = split_fused((&w_name, weight.view()), bias, ndarray::Axis(0), config)?;
-        let out = join(&name("out_proj"), "");
-        let (o_weight, o_bias) = (format!("{out}weight"), format!("{out}bias"));
-        let o = match matrix::<F>(checkpoint, &o_weight, config)? {
-            Some(weight) => {
-                let bias = vector::<F>(checkpoint, &o_bias, config)?;
-                let mut linear = TorchLinear::new(weight.view());
-                if let Some(bias) = &bias {
-                    linear = linear.with_bias(bias.view());
-                }
-                Some(linear_part(3, &out, &linear, config)?)
-            }
-            None if config.d_model_out.is_some() => return Err(checkpoint.missing(&o_weight)),
-            None => None,
-        };
+        let (o_weight, o) = output_linear(checkpoint, &name("out_proj"), config)?;
         assemble(config, parts, o.map(|o| (o_weight.as_str(), o)))
     }
 
@@ -254,6 +269,59 @@ impl<F: Element> LayerParameters<F> {
             None if config.d_model_out.is_some() => return Err(checkpoint.missing(&o_weight)),
             None => None,
         };
+        assemble(config, parts, o.map(|o| (o_weight.as_str(), o)))
+    }
+
+    /// Parameters of a Hugging Face BLOOM attention (`BloomAttention`) from
+    /// its checkpoint: `{prefix}.query_key_value.weight`
+    /// `[3·hidden, hidden]` with its `.bias`, and `{prefix}.dense.weight`
+    /// `[hidden, hidden]` with its `.bias` (`nn.Linear`s, `[out, in]`), as
+    /// [`from_bloom_query_key_value`](Self::from_bloom_query_key_value)
+    /// reads them. The fused projection is laid out per head,
+    /// `[heads, 3, head_dim]` on its output axis (each head's query, key and
+    /// value rows in turn), not as three stacked blocks. GPT-NeoX (Pythia) stores its `GPTNeoXAttention`
+    /// the same way, under the same names (prefix such as
+    /// `gpt_neox.layers.0.attention`). The prefix is the module's, such as
+    /// `transformer.h.0.self_attention` (or `h.0.self_attention`).
+    ///
+    /// The heads come from the model's config: `AttentionConfig::new(hidden_size,
+    /// n_head).with_output_projection(hidden_size).with_bias(true)`. BLOOM's
+    /// ALiBi is an attention option, `.alibi(&alibi_slopes(n_head))`;
+    /// GPT-NeoX's partial rotary embeddings a layer option,
+    /// `with_rope(RopeConfig::new(rotary_emb_base, max_positions)
+    /// .with_rotary_dim(head_dim · partial_rotary_factor))`.
+    ///
+    /// # Errors
+    /// As [`from_bloom_query_key_value`](Self::from_bloom_query_key_value)
+    /// and [`load_torch_linear`](Self::load_torch_linear), naming the
+    /// tensors with the prefix.
+    ///
+    /// ```
+    /// use sdpa::{AttentionConfig, Checkpoint, LayerParameters};
+    ///
+    /// let checkpoint = Checkpoint::from_file("tests/fixtures/hf_bloom.safetensors")?;
+    /// // BloomConfig(hidden_size=24, n_head=6)
+    /// let config = AttentionConfig::new(24, 6).with_output_projection(24).with_bias(true);
+    /// let prefix = "transformer.h.0.self_attention";
+    /// let parameters = LayerParameters::<f32>::load_bloom_attention(&checkpoint, prefix, &config)?;
+    /// // Head 1's key is rows 1·12 + 4 .. 1·12 + 8 of the fused weight: W^K's columns 4..8.
+    /// let fused = checkpoint.tensor::<f32>("transformer.h.0.self_attention.query_key_value.weight")?;
+    /// assert_eq!(parameters.w_k[[3, 4]], fused[[16, 3]]);
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn load_bloom_attention(
+        checkpoint: &Checkpoint,
+        prefix: &str,
+        config: &AttentionConfig,
+    ) -> Result<Self, AttentionError> {
+        config.check()?;
+        let name = |n: &str| join(prefix, n);
+        let (w_name, b_name) = (name("query_key_value.weight"), name("query_key_value.bias"));
+        let weight = required::<F>(checkpoint, &w_name, config)?;
+        let bias = vector::<F>(checkpoint, &b_name, config)?;
+        let bias = bias.as_ref().map(|b| (b_name.as_str(), b.view()));
+        let parts = split_fused_per_head((&w_name, weight.view()), bias, config)?;
+        let (o_weight, o) = output_linear(checkpoint, &name("dense"), config)?;
         assemble(config, parts, o.map(|o| (o_weight.as_str(), o)))
     }
 }

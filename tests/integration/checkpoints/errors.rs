@@ -2,7 +2,8 @@
 //! tensor (with its prefix) and both shapes, never a panic or a silently
 //! wrong layer: a wrong prefix, wrong head counts, an element type not read,
 //! biases or an output projection the config does not expect (or misses),
-//! a tensor of the wrong rank, and files that are not safetensors.
+//! grouped heads in a projection fused per head, a tensor of the wrong
+//! rank, and files that are not safetensors.
 
 use sdpa::{AttentionConfig, Checkpoint, ErrorKind, LayerParameters};
 
@@ -88,6 +89,38 @@ fn wrong_head_counts_name_the_tensor_and_both_shapes() {
         result,
         ErrorKind::ShapeMismatch,
         &["`attn.c_attn.weight`", "[16, 48]", "[16, 96]"],
+    );
+}
+
+/// BLOOM's `query_key_value` is fused per head: it has no room for grouped
+/// key/value heads, and its rows must be `3·heads·d_k`.
+#[test]
+fn a_per_head_fused_projection_checks_its_heads() {
+    let checkpoint = fixture("hf_bloom.safetensors");
+    let prefix = "transformer.h.0.self_attention";
+    let bloom = AttentionConfig::new(24, 6)
+        .with_output_projection(24)
+        .with_bias(true);
+    let grouped =
+        LayerParameters::<f32>::load_bloom_attention(&checkpoint, prefix, &bloom.with_kv_heads(2));
+    assert_error(
+        grouped,
+        ErrorKind::ShapeMismatch,
+        &[
+            "`transformer.h.0.self_attention.query_key_value.weight`",
+            "grouped",
+        ],
+    );
+    let wide =
+        LayerParameters::<f32>::load_bloom_attention(&checkpoint, prefix, &bloom.with_head_dim(8));
+    assert_error(
+        wide,
+        ErrorKind::ShapeMismatch,
+        &[
+            "`transformer.h.0.self_attention.query_key_value.weight`",
+            "[72, 24]",
+            "[144, 24]",
+        ],
     );
 }
 

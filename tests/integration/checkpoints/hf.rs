@@ -1,12 +1,16 @@
 //! Hugging Face `transformers` attentions: `GPT2Attention` (`Conv1D`, in
 //! `f64`), `LlamaAttention` and `Qwen2Attention` (grouped-query, `nn.Linear`
 //! projections; Qwen2 with biases on q, k, v only). The Llama-family
-//! fixtures were run with cos = 1, sin = 0 position embeddings, so their
-//! rotary embedding is the identity and the whole forward compares.
+//! fixtures' `output` was run with cos = 1, sin = 0 position embeddings,
+//! so its rotary embedding is the identity and the projections and grouped
+//! attention compare alone; their `rope.` tensors are the same attention
+//! inside a one-layer model with real rotary embeddings, whole and decoded
+//! with a cache.
 
 use ndarray::{Array3, Ix3};
-use sdpa::{AttentionConfig, CausalAttention, LayerParameters};
+use sdpa::{AttentionConfig, CausalAttention, LayerParameters, RopeConfig};
 
+use super::models::check_rotary_decoding;
 use super::{F32_TOLERANCE, fixture, max_difference, tensor};
 
 /// GPT2Config(n_embd=16, n_head=4).
@@ -100,4 +104,25 @@ fn qwen2_attention_with_biases_matches_transformers() {
     let config = llama_config().with_bias(true);
     let parameters = LayerParameters::<f32>::load_hf_llama(&checkpoint, "attn", &config).unwrap();
     assert!(parameters.b_o.unwrap().iter().all(|&b| b == 0.0));
+}
+
+/// LlamaModel with rope_theta 500000 (Llama 3's) over the whole head: 2
+/// sequences of 9 tokens, whole, then 6 prefilled and 3 decode steps.
+#[test]
+fn llama_attention_with_rope_decodes_as_transformers() {
+    let checkpoint = fixture("hf_llama.safetensors");
+    let config = llama_config().with_rope(RopeConfig::new(500_000.0, 64));
+    let parameters = LayerParameters::load_hf_llama(&checkpoint, "attn", &config).unwrap();
+    check_rotary_decoding(&checkpoint, "rope.", config, parameters, None);
+}
+
+/// Qwen2Model with rope_theta 1e6, its q, k, v biases rotated with the rest.
+#[test]
+fn qwen2_attention_with_rope_decodes_as_transformers() {
+    let checkpoint = fixture("hf_qwen2.safetensors");
+    let config = llama_config()
+        .with_bias(true)
+        .with_rope(RopeConfig::new(1e6, 64));
+    let parameters = LayerParameters::load_hf_llama(&checkpoint, "attn", &config).unwrap();
+    check_rotary_decoding(&checkpoint, "rope.", config, parameters, None);
 }

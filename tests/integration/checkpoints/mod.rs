@@ -1,11 +1,14 @@
 //! Checkpoints written by PyTorch and Hugging Face `transformers`
-//! (`scripts/make_fixtures.py`, files in `tests/fixtures/`), loaded through
-//! the layout-named constructors and run through the layers: the outputs
-//! must match what torch computed from the same weights and inputs. One
-//! module per source (`torch`, `hf`) and one for the errors.
+//! (`scripts/make_fixtures.py` and `scripts/make_model_fixtures.py`, files
+//! in `tests/fixtures/`), loaded through the layout-named constructors and
+//! run through the layers and the functional API: the outputs must match
+//! what torch computed from the same weights and inputs. One module per
+//! source (`torch`, `hf` for single attention modules, `models` for
+//! attentions observed inside whole models) and one for the errors.
 
 mod errors;
 mod hf;
+mod models;
 mod torch;
 
 use ndarray::{ArrayD, Dimension};

@@ -1,0 +1,364 @@
+//! Attentions of whole Hugging Face models (`scripts/make_model_fixtures.py`),
+//! observed inside the model so that its own rotary embeddings, masks,
+//! ALiBi and KV cache were used: Mistral (sliding window, decoded with a
+//! cache), GPT-NeoX (per-head fused `query_key_value`, partial RoPE,
+//! decoded), Gemma 2 (softcap and `query_pre_attn_scalar`), gpt-oss (sinks,
+//! YaRN) and BLOOM (ALiBi with 6 heads, padding).
+//!
+//! Rotary models are checked twice: through the layer (`with_rope`,
+//! `prefill`, `step`) and written out with the functional API (the
+//! projections by hand, [`apply_rope`] at explicit positions,
+//! [`KvCache::attend`] for the decode steps). The configs repeat those in
+//! the script.
+
+use ndarray::{Array1, Array2, Array3, Array4, ArrayView3, Axis, Ix1, s};
+use sdpa::{
+    AttentionConfig, AttentionOptions, CausalAttention, Checkpoint, KvCache, LayerParameters,
+    RopeConfig, RopePositions, RopeTable, alibi_slopes, apply_rope, scaled_dot_product_attention,
+};
+
+use super::{F32_TOLERANCE, fixture, max_difference, tensor};
+
+/// The tokens a decode fixture prefills before its single-token steps.
+const PROMPT: usize = 6;
+
+/// Positions the layers' rotary tables hold (the fixtures have 9 tokens).
+const MAX_POSITIONS: usize = 64;
+
+fn assert_close(got: &Array3<f32>, checkpoint: &Checkpoint, name: &str, what: &str) {
+    let difference = max_difference(got, &checkpoint.tensor(name).unwrap());
+    assert!(
+        difference < F32_TOLERANCE,
+        "{what} against `{name}`: {difference}"
+    );
+}
+
+/// `x·W + b` over the last axis of `x` `[batch, len, in]`, `W` `[in, out]`.
+fn linear(x: ArrayView3<'_, f32>, w: &Array2<f32>, b: Option<&Array1<f32>>) -> Array3<f32> {
+    let (batch, len, _) = x.dim();
+    let mut y = Array3::zeros((batch, len, w.ncols()));
+    for (mut y, x) in y.outer_iter_mut().zip(x.outer_iter()) {
+        y.assign(&x.dot(w));
+    }
+    if let Some(b) = b {
+        y += b;
+    }
+    y
+}
+
+/// `[batch, len, heads·d]` as `[batch, heads, len, d]`, Hugging Face's
+/// `view(..., heads, d).transpose(1, 2)`.
+fn split_heads(x: Array3<f32>, heads: usize) -> Array4<f32> {
+    let (batch, len, width) = x.dim();
+    let x = x.into_shape_with_order((batch, len, heads, width / heads));
+    x.unwrap()
+        .permuted_axes([0, 2, 1, 3])
+        .as_standard_layout()
+        .into_owned()
+}
+
+/// `[batch, heads, len, d]` back to `[batch, len, heads·d]`.
+fn merge_heads(x: Array4<f32>) -> Array3<f32> {
+    let (batch, heads, len, d) = x.dim();
+    let x = x
+        .permuted_axes([0, 2, 1, 3])
+        .as_standard_layout()
+        .into_owned();
+    x.into_shape_with_order((batch, len, heads * d)).unwrap()
+}
+
+/// Steps' outputs `[batch, n, width]` side by side along the tokens.
+fn tokens(steps: &[Array3<f32>]) -> Array3<f32> {
+    let views: Vec<_> = steps.iter().map(|step| step.view()).collect();
+    ndarray::concatenate(Axis(1), &views).unwrap()
+}
+
+/// A model's attention written out with the functional API: the
+/// projections of `parameters`, the head split, `apply_rope` with `rope` at
+/// the positions given, then (by the caller) attention, then the output
+/// projection.
+struct Functional {
+    parameters: LayerParameters<f32>,
+    heads: usize,
+    kv_heads: usize,
+    rope: RopeTable<f32>,
+}
+
+impl Functional {
+    /// The rotary table a layer with `config` builds.
+    fn new(config: &AttentionConfig, parameters: LayerParameters<f32>) -> Self {
+        let rope = config.rope.expect("a rotary config");
+        let rotary_dim = rope.rotary_dim.unwrap_or(config.d_k());
+        let table = RopeTable::new(rotary_dim, rope.theta, rope.max_positions).unwrap();
+        Self::with_table(config, parameters, table.with_layout(rope.layout))
+    }
+
+    fn with_table(
+        config: &AttentionConfig,
+        parameters: LayerParameters<f32>,
+        rope: RopeTable<f32>,
+    ) -> Self {
+        Self {
+            parameters,
+            heads: config.heads,
+            kv_heads: config.kv_heads,
+            rope,
+        }
+    }
+
+    /// The query, key and value heads of `x` `[batch, n, d_model]`, its
+    /// tokens at positions `start..start + n`, queries and keys rotated.
+    fn heads(&self, x: ArrayView3<'_, f32>, start: usize) -> [Array4<f32>; 3] {
+        let p = &self.parameters;
+        let q = split_heads(linear(x, &p.w_q, p.b_q.as_ref()), self.heads);
+        let k = split_heads(linear(x, &p.w_k, p.b_k.as_ref()), self.kv_heads);
+        let v = split_heads(linear(x, &p.w_v, p.b_v.as_ref()), self.kv_heads);
+        let rotate = |x: Array4<f32>| apply_rope(x.view(), &self.rope, RopePositions::Start(start));
+        [rotate(q).unwrap(), rotate(k).unwrap(), v]
+    }
+
+    /// The heads' attention `[batch, heads, n, d_v]` merged and projected.
+    fn output(&self, attention: Array4<f32>) -> Array3<f32> {
+        let p = &self.parameters;
+        let w_o = p.w_o.as_ref().expect("an output projection");
+        linear(merge_heads(attention).view(), w_o, p.b_o.as_ref())
+    }
+}
+
+/// A decode fixture (`decode_outputs` in `scripts/make_fixtures.py`): the
+/// tensors `{prefix}input`, `{prefix}output` (the whole sequence),
+/// `{prefix}prefill_output` (the first [`PROMPT`] tokens with a fresh
+/// cache) and `{prefix}step_output` (each later token alone against it).
+/// `config` has the model's rotary embeddings; `window` is its sliding
+/// window, if any.
+pub fn check_rotary_decoding(
+    checkpoint: &Checkpoint,
+    prefix: &str,
+    config: AttentionConfig,
+    parameters: LayerParameters<f32>,
+    window: Option<usize>,
+) {
+    let name = |n: &str| format!("{prefix}{n}");
+    let x: Array3<f32> = tensor(checkpoint, &name("input"));
+    let (batch, len, _) = x.dim();
+    assert!(len > PROMPT);
+    let opts = window.map_or(AttentionOptions::new().causal(), |w| {
+        AttentionOptions::new().window(w)
+    });
+    let (kv_heads, d_k, d_v) = (config.kv_heads, config.d_k(), config.d_v());
+    // A growing cache starts small enough to grow during the steps.
+    let new_cache = || match window {
+        Some(w) => KvCache::<f32>::with_window(w, batch, kv_heads, d_k, d_v).unwrap(),
+        None => KvCache::<f32>::new(batch, kv_heads, d_k, d_v, PROMPT).unwrap(),
+    };
+
+    // The layer.
+    let layer = CausalAttention::new(config, parameters.clone()).unwrap();
+    let got = layer.forward_batch_with(x.view(), &opts).unwrap();
+    assert_close(&got, checkpoint, &name("output"), "layer forward");
+    let mut cache = new_cache();
+    let prompt = layer
+        .prefill(x.slice(s![.., ..PROMPT, ..]), &mut cache)
+        .unwrap();
+    assert_close(
+        &prompt,
+        checkpoint,
+        &name("prefill_output"),
+        "layer prefill",
+    );
+    let steps: Vec<Array3<f32>> = (PROMPT..len)
+        .map(|t| {
+            layer
+                .step(x.slice(s![.., t..t + 1, ..]), &mut cache)
+                .unwrap()
+        })
+        .collect();
+    assert_close(
+        &tokens(&steps),
+        checkpoint,
+        &name("step_output"),
+        "layer steps",
+    );
+
+    // The functional API.
+    let functional = Functional::new(&config, parameters);
+    let [q, k, v] = functional.heads(x.view(), 0);
+    let heads = scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts).unwrap();
+    let got = functional.output(heads);
+    assert_close(&got, checkpoint, &name("output"), "functional forward");
+    let mut cache = new_cache();
+    let [q, k, v] = functional.heads(x.slice(s![.., ..PROMPT, ..]), 0);
+    let prompt = functional.output(cache.attend(q.view(), k.view(), v.view()).unwrap());
+    assert_close(
+        &prompt,
+        checkpoint,
+        &name("prefill_output"),
+        "KvCache prefill",
+    );
+    let mut steps = Vec::new();
+    for t in PROMPT..len {
+        assert_eq!(cache.total_len(), t);
+        let [q, k, v] = functional.heads(x.slice(s![.., t..t + 1, ..]), t);
+        steps.push(functional.output(cache.attend(q.view(), k.view(), v.view()).unwrap()));
+    }
+    if let Some(w) = window {
+        assert_eq!(cache.len(), w, "the ring holds the window");
+    }
+    assert_close(
+        &tokens(&steps),
+        checkpoint,
+        &name("step_output"),
+        "KvCache steps",
+    );
+}
+
+/// MistralConfig(hidden_size=32, heads 4, kv heads 2, head_dim 8,
+/// rope_theta 1e6, sliding_window 4): the window is shorter than the
+/// 6-token prompt, so the ring cache drops keys during the prefill and
+/// every step.
+#[test]
+fn mistral_sliding_window_attention_decodes_as_transformers() {
+    let checkpoint = fixture("hf_mistral.safetensors");
+    let config = AttentionConfig::new(32, 4)
+        .with_kv_heads(2)
+        .with_head_dim(8)
+        .with_output_projection(32)
+        .with_rope(RopeConfig::new(1e6, MAX_POSITIONS));
+    let prefix = "model.layers.0.self_attn";
+    let parameters = LayerParameters::load_hf_llama(&checkpoint, prefix, &config).unwrap();
+    check_rotary_decoding(&checkpoint, "", config, parameters, Some(4));
+}
+
+/// GPTNeoXConfig(hidden_size=32, heads 4, partial_rotary_factor 0.5): the
+/// per-head fused `query_key_value` through `load_bloom_attention`, RoPE on
+/// the first 4 of each head's 8 features.
+#[test]
+fn gpt_neox_partial_rotary_attention_decodes_as_transformers() {
+    let checkpoint = fixture("hf_gpt_neox.safetensors");
+    let rope = RopeConfig::new(10_000.0, MAX_POSITIONS).with_rotary_dim(4);
+    let config = AttentionConfig::new(32, 4)
+        .with_output_projection(32)
+        .with_bias(true)
+        .with_rope(rope);
+    let prefix = "gpt_neox.layers.0.attention";
+    let parameters = LayerParameters::load_bloom_attention(&checkpoint, prefix, &config).unwrap();
+    check_rotary_decoding(&checkpoint, "", config, parameters, None);
+}
+
+/// Gemma2Config(hidden_size=32, heads 4, kv heads 2, head_dim 8,
+/// query_pre_attn_scalar 16, attn_logit_softcapping 3, sliding_window 4):
+/// layer 0 slides, layer 1 is global. Gemma 2 scales by
+/// `query_pre_attn_scalar^-1/2 = 1/4` (not `1/√8`), caps the scaled
+/// scores, then masks: `.scale(0.25).softcap(3.0)`.
+#[test]
+fn gemma2_softcapped_attention_matches_transformers() {
+    let checkpoint = fixture("hf_gemma2.safetensors");
+    let config = AttentionConfig::new(32, 4)
+        .with_kv_heads(2)
+        .with_head_dim(8)
+        .with_output_projection(32)
+        .with_rope(RopeConfig::new(10_000.0, MAX_POSITIONS));
+    let (scale, cap) = (0.25, 3.0);
+    for (i, window) in [(0, Some(4)), (1, None)] {
+        let prefix = format!("model.layers.{i}.self_attn");
+        let parameters = LayerParameters::load_hf_llama(&checkpoint, &prefix, &config).unwrap();
+        let layer = CausalAttention::new(config, parameters).unwrap();
+        let x: Array3<f32> = tensor(&checkpoint, &format!("layer{i}.input"));
+        let with_window = |opts: AttentionOptions<'static, f32>| match window {
+            Some(w) => opts.window(w),
+            None => opts,
+        };
+        let opts = with_window(AttentionOptions::new().scale(scale).softcap(cap));
+        let got = layer.forward_batch_with(x.view(), &opts).unwrap();
+        let output = format!("layer{i}.output");
+        assert_close(&got, &checkpoint, &output, &format!("Gemma 2 layer {i}"));
+
+        // The fixture tells the orders apart: capping before scaling,
+        // scale·cap·tanh(q·k/cap), is the scale-then-cap of a cap scale·cap.
+        let capped_first = with_window(AttentionOptions::new().scale(scale).softcap(scale * cap));
+        let wrong = layer.forward_batch_with(x.view(), &capped_first).unwrap();
+        let difference = max_difference(&wrong, &checkpoint.tensor(&output).unwrap());
+        assert!(
+            difference > 0.1,
+            "layer {i}: cap then scale is off by only {difference}"
+        );
+    }
+}
+
+/// GptOssConfig(hidden_size=32, heads 4, kv heads 2, head_dim 8,
+/// sliding_window 4, its default YaRN rope): a sink logit per head, biases
+/// on every projection, layer 0 sliding, layer 1 global.
+///
+/// YaRN's frequencies are not the default ones, so the layer's
+/// `RopeConfig` cannot state them: the functional API takes the model's
+/// `inv_freq` through [`RopeTable::from_inverse_frequencies`]. YaRN also
+/// multiplies cos and sin by `attention_scaling` `m`, which scales every
+/// `q·k` by `m²`: that goes into the scale, `m²/√d_k`.
+#[test]
+fn gpt_oss_attention_with_sinks_matches_transformers() {
+    let checkpoint = fixture("hf_gpt_oss.safetensors");
+    let config = AttentionConfig::new(32, 4)
+        .with_kv_heads(2)
+        .with_head_dim(8)
+        .with_output_projection(32)
+        .with_bias(true);
+    let inverse_frequencies: Array1<f64> = tensor(&checkpoint, "rope.inv_freq");
+    let m: Array1<f64> = tensor(&checkpoint, "rope.attention_scaling");
+    let table = RopeTable::from_inverse_frequencies(inverse_frequencies.as_slice().unwrap(), 64);
+    let scale = (m[0] * m[0] / 8f64.sqrt()) as f32;
+    for (i, window) in [(0, Some(4)), (1, None)] {
+        let prefix = format!("model.layers.{i}.self_attn");
+        let parameters = LayerParameters::load_hf_llama(&checkpoint, &prefix, &config).unwrap();
+        let sinks: Array1<f32> = tensor::<f32, Ix1>(&checkpoint, &format!("{prefix}.sinks"));
+        let functional = Functional::with_table(&config, parameters, table.clone().unwrap());
+        let x: Array3<f32> = tensor(&checkpoint, &format!("layer{i}.input"));
+        let [q, k, v] = functional.heads(x.view(), 0);
+        let opts = AttentionOptions::new()
+            .scale(scale)
+            .sinks(sinks.as_slice().unwrap());
+        let opts = match window {
+            Some(w) => opts.window(w),
+            None => opts.causal(),
+        };
+        let heads = scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts).unwrap();
+        let got = functional.output(heads);
+        let output = format!("layer{i}.output");
+        assert_close(&got, &checkpoint, &output, &format!("gpt-oss layer {i}"));
+    }
+}
+
+/// BloomConfig(hidden_size=24, n_head=6): 6 heads, not a power of two, so
+/// `alibi_slopes` takes the odd terms of the 8-head sequence for the last
+/// two. Sequence 1 is padded after 5 tokens (`key_lengths`).
+#[test]
+fn bloom_alibi_attention_matches_transformers() {
+    let checkpoint = fixture("hf_bloom.safetensors");
+    let heads = 6;
+    let slopes: Vec<f32> = alibi_slopes(heads).into_iter().map(|s| s as f32).collect();
+    // build_alibi_tensor: [batch·heads, 1, len], slope_h · (position of key j),
+    // position 0 at padding. The slopes are powers of two: exact.
+    let alibi: Array3<f32> = tensor(&checkpoint, "alibi");
+    let lengths = [7, 5];
+    for (b, &length) in lengths.iter().enumerate() {
+        for (h, &slope) in slopes.iter().enumerate() {
+            for j in 0..alibi.dim().2 {
+                let position = if j < length { j as f32 } else { 0.0 };
+                assert_eq!(
+                    alibi[[b * heads + h, 0, j]],
+                    slope * position,
+                    "{b} {h} {j}"
+                );
+            }
+        }
+    }
+    let config = AttentionConfig::new(24, heads)
+        .with_output_projection(24)
+        .with_bias(true);
+    let prefix = "transformer.h.0.self_attention";
+    let parameters = LayerParameters::load_bloom_attention(&checkpoint, prefix, &config).unwrap();
+    let layer = CausalAttention::new(config, parameters).unwrap();
+    let x: Array3<f32> = tensor(&checkpoint, "input");
+    let opts = AttentionOptions::new().alibi(&slopes).key_lengths(&lengths);
+    let got = layer.forward_batch_with(x.view(), &opts).unwrap();
+    assert_close(&got, &checkpoint, "output", "BLOOM");
+}
