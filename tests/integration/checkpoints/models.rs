@@ -362,3 +362,159 @@ fn bloom_alibi_attention_matches_transformers() {
     let got = layer.forward_batch_with(x.view(), &opts).unwrap();
     assert_close(&got, &checkpoint, "output", "BLOOM");
 }
+
+/// The score modifiers when decoding: each model's whole-sequence output
+/// (what the fixtures hold) equals a prefill of its first [`PROMPT`] tokens
+/// followed by one step per token, with the same options (`prefill_with`
+/// and `step_with` for the layers, `KvCache::prefill` and `attend_with`
+/// for the functional form). Sliding layers run both on a ring of the
+/// window and on a growing cache with `.window()`.
+#[test]
+fn softcap_sinks_and_alibi_decode_as_transformers() {
+    // Gemma 2: softcap and its scale, through the layer.
+    let checkpoint = fixture("hf_gemma2.safetensors");
+    let config = AttentionConfig::new(32, 4)
+        .with_kv_heads(2)
+        .with_head_dim(8)
+        .with_output_projection(32)
+        .with_rope(RopeConfig::new(10_000.0, MAX_POSITIONS));
+    for (i, window) in [(0, Some(4)), (1, None)] {
+        let prefix = format!("model.layers.{i}.self_attn");
+        let parameters = LayerParameters::load_hf_llama(&checkpoint, &prefix, &config).unwrap();
+        let layer = CausalAttention::new(config, parameters).unwrap();
+        let x: Array3<f32> = tensor(&checkpoint, &format!("layer{i}.input"));
+        let opts = AttentionOptions::new().scale(0.25).softcap(3.0);
+        let batch = x.dim().0;
+        let mut runs = vec![(layer.new_cache(batch, 2).unwrap(), opts.clone())];
+        if let Some(w) = window {
+            runs = vec![
+                (layer.new_window_cache(batch, w).unwrap(), opts.clone()),
+                (layer.new_cache(batch, 2).unwrap(), opts.clone().window(w)),
+            ];
+        }
+        for (mut cache, opts) in runs {
+            let mut steps = vec![
+                layer
+                    .prefill_with(x.slice(s![.., ..PROMPT, ..]), &opts, &mut cache)
+                    .unwrap(),
+            ];
+            for t in PROMPT..x.dim().1 {
+                steps.push(
+                    layer
+                        .step_with(x.slice(s![.., t..=t, ..]), &opts, &mut cache)
+                        .unwrap(),
+                );
+            }
+            let what = format!("Gemma 2 layer {i} decoded, ring {:?}", cache.window());
+            assert_close(
+                &tokens(&steps),
+                &checkpoint,
+                &format!("layer{i}.output"),
+                &what,
+            );
+        }
+    }
+
+    // gpt-oss: sinks (and YaRN, see above), through the functional form.
+    let checkpoint = fixture("hf_gpt_oss.safetensors");
+    let config = AttentionConfig::new(32, 4)
+        .with_kv_heads(2)
+        .with_head_dim(8)
+        .with_output_projection(32)
+        .with_bias(true);
+    let inverse_frequencies: Array1<f64> = tensor(&checkpoint, "rope.inv_freq");
+    let m: Array1<f64> = tensor(&checkpoint, "rope.attention_scaling");
+    let table = RopeTable::from_inverse_frequencies(inverse_frequencies.as_slice().unwrap(), 64);
+    let scale = (m[0] * m[0] / 8f64.sqrt()) as f32;
+    for (i, window) in [(0, Some(4)), (1, None)] {
+        let prefix = format!("model.layers.{i}.self_attn");
+        let parameters = LayerParameters::load_hf_llama(&checkpoint, &prefix, &config).unwrap();
+        let sinks: Array1<f32> = tensor::<f32, Ix1>(&checkpoint, &format!("{prefix}.sinks"));
+        let functional = Functional::with_table(&config, parameters, table.clone().unwrap());
+        let x: Array3<f32> = tensor(&checkpoint, &format!("layer{i}.input"));
+        let [q, k, v] = functional.heads(x.view(), 0);
+        let opts = AttentionOptions::new()
+            .scale(scale)
+            .sinks(sinks.as_slice().unwrap());
+        let (batch, kv_heads) = (k.dim().0, k.dim().1);
+        let mut cache = match window {
+            Some(w) => KvCache::with_window(w, batch, kv_heads, 8, 8).unwrap(),
+            None => KvCache::new(batch, kv_heads, 8, 8, 2).unwrap(),
+        };
+        let prompt = s![.., .., ..PROMPT, ..];
+        let mut heads = vec![
+            cache
+                .prefill(q.slice(prompt), k.slice(prompt), v.slice(prompt), &opts)
+                .unwrap(),
+        ];
+        for t in PROMPT..x.dim().1 {
+            let new = s![.., .., t..=t, ..];
+            heads.push(
+                cache
+                    .attend_with(q.slice(new), k.slice(new), v.slice(new), &opts)
+                    .unwrap(),
+            );
+        }
+        let views: Vec<_> = heads.iter().map(|h| h.view()).collect();
+        let got = functional.output(ndarray::concatenate(Axis(2), &views).unwrap());
+        assert_close(
+            &got,
+            &checkpoint,
+            &format!("layer{i}.output"),
+            &format!("gpt-oss layer {i} decoded"),
+        );
+    }
+
+    // BLOOM: ALiBi decoded (sequence 0, all 7 tokens real), and its
+    // right-padded batch as a padded prompt (stored left-padded).
+    let checkpoint = fixture("hf_bloom.safetensors");
+    let heads = 6;
+    let slopes: Vec<f32> = alibi_slopes(heads).into_iter().map(|s| s as f32).collect();
+    let config = AttentionConfig::new(24, heads)
+        .with_output_projection(24)
+        .with_bias(true);
+    let parameters = LayerParameters::load_bloom_attention(
+        &checkpoint,
+        "transformer.h.0.self_attention",
+        &config,
+    )
+    .unwrap();
+    let layer = CausalAttention::new(config, parameters).unwrap();
+    let x: Array3<f32> = tensor(&checkpoint, "input");
+    let expected: Array3<f32> = tensor(&checkpoint, "output");
+    let opts = AttentionOptions::new().alibi(&slopes);
+    let mut cache = layer.new_cache(2, 2).unwrap();
+    let mut steps = vec![
+        layer
+            .prefill_with(x.slice(s![.., ..4, ..]), &opts, &mut cache)
+            .unwrap(),
+    ];
+    for t in 4..7 {
+        steps.push(
+            layer
+                .step_with(x.slice(s![.., t..=t, ..]), &opts, &mut cache)
+                .unwrap(),
+        );
+    }
+    let decoded = tokens(&steps);
+    let difference = max_difference(
+        &decoded.slice(s![..1, .., ..]).to_owned(),
+        &expected.slice(s![..1, .., ..]).to_owned().into_dyn(),
+    );
+    assert!(
+        difference <= F32_TOLERANCE,
+        "BLOOM decoded: off by {difference}"
+    );
+    let padded = layer
+        .prefill_with(x.view(), &opts.clone().key_lengths(&[7, 5]), &mut cache)
+        .unwrap();
+    assert_eq!(cache.key_starts(), Some(&[0, 2][..]));
+    let difference = max_difference(
+        &padded.slice(s![1..2, ..5, ..]).to_owned(),
+        &expected.slice(s![1..2, ..5, ..]).to_owned().into_dyn(),
+    );
+    assert!(
+        difference <= F32_TOLERANCE,
+        "BLOOM right-padded prefill: off by {difference}"
+    );
+}
