@@ -27,6 +27,12 @@ pub enum ErrorKind {
     Positions,
     /// A requested kernel set is unknown or not supported by this CPU.
     UnsupportedKernel,
+    /// The `cu_seqlens` offsets of a packed batch
+    /// ([`scaled_dot_product_attention_varlen`](crate::scaled_dot_product_attention_varlen))
+    /// are not a packing of the tensors' rows: empty, not starting at 0,
+    /// decreasing, not ending at the row count, or the query and key
+    /// offsets count different sequences.
+    SequenceOffsets,
     /// A result or working buffer would have more elements or bytes than
     /// this machine can address (the message names the shape); typically
     /// broadcast views whose lengths are far larger than their memory.

@@ -28,3 +28,4 @@ mod rope;
 mod semantics;
 mod sequence;
 mod threads;
+mod varlen;
