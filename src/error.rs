@@ -20,7 +20,9 @@ pub enum ErrorKind {
     NotBroadcastable,
     /// A key length is past `len_kv`, or the wrong number of key lengths was given.
     KeyLengths,
-    /// A scale or other scalar option is not finite.
+    /// A scale or other scalar option is not finite or out of range, or
+    /// the call does not take an option given (a keep mask on a packed
+    /// batch, say; the message says why).
     InvalidOption,
     /// Rotary positions do not match the tensor (one per token, one start
     /// per batch item, `[batch, len]`), or one is past the rotary table.

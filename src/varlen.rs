@@ -175,7 +175,7 @@ pub struct VarlenGradients<F> {
 ///   number of ALiBi slopes or sinks, a bad softcap).
 ///
 /// ```
-/// use ndarray::{Array3, Axis, s};
+/// use ndarray::{Array3, ArrayView4, Axis, s};
 /// use sdpa::{scaled_dot_product_attention, scaled_dot_product_attention_varlen, AttentionOptions};
 ///
 /// // Three sequences of 3, 0 and 5 tokens, 2 heads of width 4, packed.
@@ -188,7 +188,9 @@ pub struct VarlenGradients<F> {
 /// assert_eq!(out.shape(), &[8, 2, 4]);
 ///
 /// // The last sequence alone, as a [1, heads, len, d] call, gives its rows.
-/// let alone = |x: &Array3<f32>| x.slice(s![3..8, .., ..]).permuted_axes([1, 0, 2]).insert_axis(Axis(0));
+/// fn alone(x: &Array3<f32>) -> ArrayView4<'_, f32> {
+///     x.slice(s![3..8, .., ..]).permuted_axes([1, 0, 2]).insert_axis(Axis(0))
+/// }
 /// let expected = scaled_dot_product_attention(alone(&q), alone(&k), alone(&v), &opts)?;
 /// assert_eq!(alone(&out), expected);
 /// # Ok::<(), sdpa::AttentionError>(())
