@@ -16,8 +16,10 @@
 //! check and the same path ([`Element`]: fused for `f32`, [`core`](crate::core)
 //! for `f64`) as [`scaled_dot_product_attention`](crate::scaled_dot_product_attention),
 //! and writes straight into its rows of the packed output. So every
-//! sequence's result is bitwise that of the 4-D call on its rows, and
-//! every option means per sequence what it means there:
+//! sequence's result is bitwise that of the 4-D call on its rows (viewed
+//! so; the fused path picks its decode driver by the keys' strides, so a
+//! copy with other strides may differ in the last bit), and every option
+//! means per sequence what it means there:
 //!
 //! - `scale`, `softcap`: the same for every sequence.
 //! - `causal` (either alignment) and `window`: per sequence, with its own
