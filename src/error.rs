@@ -21,13 +21,21 @@ pub enum ErrorKind {
     /// A key length or key start is past `len_kv`, or the wrong number of
     /// them was given.
     KeyLengths,
-    /// A scale or other scalar option is not finite.
+    /// A scale or other scalar option is not finite or out of range, or
+    /// the call does not take an option given (a keep mask on a packed
+    /// batch, say; the message says why).
     InvalidOption,
     /// Rotary positions do not match the tensor (one per token, one start
     /// per batch item, `[batch, len]`), or one is past the rotary table.
     Positions,
     /// A requested kernel set is unknown or not supported by this CPU.
     UnsupportedKernel,
+    /// The `cu_seqlens` offsets of a packed batch
+    /// ([`scaled_dot_product_attention_varlen`](crate::scaled_dot_product_attention_varlen))
+    /// are not a packing of the tensors' rows: empty, not starting at 0,
+    /// decreasing, not ending at the row count, or the query and key
+    /// offsets count different sequences.
+    SequenceOffsets,
     /// A result or working buffer would have more elements or bytes than
     /// this machine can address (the message names the shape); typically
     /// broadcast views whose lengths are far larger than their memory.

@@ -7,7 +7,8 @@
 // → the functional entry points below → `call` (one check) → `element`
 // (which path a type runs) → `fused` over `simd`, or `core`. `options`,
 // `mask`, `gradients`, `partial`, `alloc`, `parallel` and `error` sit below
-// both paths.
+// both paths. `varlen` (packed batches) sits beside the entry points: one
+// checked 4-D call per sequence.
 mod alloc;
 mod call;
 #[cfg(feature = "safetensors")]
@@ -28,6 +29,7 @@ mod rope;
 mod sequence;
 #[allow(unsafe_code)]
 pub mod simd;
+pub mod varlen;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
@@ -49,6 +51,11 @@ pub use rope::{
     apply_rope_backward_inplace, apply_rope_backward_into, apply_rope_inplace, apply_rope_into,
 };
 pub use sequence::{simple_self_attention, single_sequence_attention};
+pub use varlen::{
+    VarlenGradients, VarlenPartial, scaled_dot_product_attention_varlen,
+    scaled_dot_product_attention_varlen_backward, scaled_dot_product_attention_varlen_into,
+    scaled_dot_product_attention_varlen_partial,
+};
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + bias, masked)·V`.
 ///

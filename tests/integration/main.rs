@@ -29,3 +29,4 @@ mod rope;
 mod semantics;
 mod sequence;
 mod threads;
+mod varlen;
