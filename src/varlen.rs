@@ -29,7 +29,7 @@
 //!   keys at `0..len_kv_s`).
 //! - `sinks`: every sequence's rows count the sink; `d_sinks` is the sum
 //!   over the sequences.
-//! - `keep_mask`, `bias`, `key_lengths` and `key_shard` are rejected
+//! - `keep_mask`, `bias`, `key_lengths`, `key_starts` and `key_shard` are rejected
 //!   ([`ErrorKind::InvalidOption`]): each has a batch axis or a key axis of
 //!   the padded `[batch, …, len_kv]` layout, which a packed batch does not
 //!   have, and none has one obvious meaning here (`cu_seqlens_kv` already
@@ -544,9 +544,9 @@ fn reject_padded_options<F>(opts: &AttentionOptions<'_, F>) -> Result<(), Attent
         "bias is not supported on a packed batch: its [batch, heads, len_q, len_kv] axes \
          are those of a padded batch; use alibi (positions per sequence), or a 4-D call \
          per sequence"
-    } else if opts.key_lengths.is_some() {
-        "key_lengths is not supported on a packed batch: cu_seqlens_kv already gives \
-         each sequence's keys, so pack only the keys a sequence attends to"
+    } else if opts.key_lengths.is_some() || opts.key_starts.is_some() {
+        "key_lengths and key_starts are not supported on a packed batch: cu_seqlens_kv \
+         already gives each sequence's keys, so pack only the keys a sequence attends to"
     } else if opts.key_shard.is_some() {
         "key_shard is not supported on a packed batch: a shard's offset and total \
          length place the keys of one sequence, and a packed batch has many"
