@@ -1250,7 +1250,7 @@ fn padded_layout_options_are_rejected_with_the_reason() {
     let bias = Array2::<f32>::zeros((8, 6));
     let lengths = [4, 2];
     let kind = ErrorKind::InvalidOption;
-    let cases: [(AttentionOptions<'_, f32>, &[&str]); 6] = [
+    let cases: [(AttentionOptions<'_, f32>, &[&str]); 7] = [
         (
             AttentionOptions::new().keep_mask(keep.view()),
             &["keep_mask is not supported on a packed batch", "padded"],
