@@ -150,6 +150,9 @@ pub fn scaled_dot_product_attention_into<F: Storage>(
 /// Use [`AttentionOptions::key_shard`] when `k` and `v` are a shard of a
 /// longer key sequence.
 ///
+/// For `bf16` and `f16` the output is in the input type and the
+/// log-sum-exp in `f32`.
+///
 /// # Errors
 /// As [`scaled_dot_product_attention`].
 ///
@@ -197,7 +200,10 @@ pub fn scaled_dot_product_attention_partial<F: Storage>(
 /// `f32` runs the fused backward pass (FlashAttention-2 order, the `P` tiles
 /// recomputed from the log-sum-exp, no `len_q × len_kv` buffer unless a bias
 /// gradient is asked for, bitwise the same for any thread count); `f64` runs
-/// [`core::scaled_dot_product_attention_backward`], the reference. Every
+/// [`core::scaled_dot_product_attention_backward`], the reference. `bf16`
+/// and `f16` convert `q`, `k`, `v`, the forward's output and `d_out` to
+/// `f32` and run the fused backward; `d_q`, `d_k` and `d_v` are rounded to
+/// the input type, `d_bias` and `d_sinks` stay `f32`. Every
 /// option of the forward is supported; masked entries and rows with no
 /// visible key get exactly zero gradients, and NaN in masked data never
 /// reaches a gradient.
