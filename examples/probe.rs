@@ -10,10 +10,14 @@
 //! Arguments: `N` (default 256), `causal` or `full`, `fwd` or `bwd`
 //! (forward with its log-sum-exp, then the backward), and the number of
 //! calls (default 3). B = 1, H = 8 and d = 64 unless `H`/`D` are set.
+//! `DTYPE=bf16` or `f16` runs the calls on inputs stored in that type
+//! (`half` feature); `DTYPE=bf16-by-hand` converts them to `f32` first,
+//! calls the `f32` path and rounds the output back, the bar a half call
+//! must meet on a CPU without native BF16.
 //! Valgrind has no AVX-512: force `SDPA_KERNEL=avx2` (or `scalar`) under it.
 
 use ndarray::Array4;
-use sdpa::AttentionOptions;
+use sdpa::{AttentionOptions, Storage};
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -35,28 +39,87 @@ fn main() {
     let (k, v) = (q.mapv(|x| -x * 0.5), q.mapv(|x| x * 0.25 + 0.1));
     let opts = AttentionOptions::new();
     let opts = if causal { opts.causal() } else { opts };
+    #[cfg(feature = "half")]
+    let inputs = [&q, &k, &v];
+    let dtype = std::env::var("DTYPE").unwrap_or_else(|_| "f32".into());
+    let checksum = match dtype.as_str() {
+        "f32" => run([q, k, v], &opts, backward, calls),
+        #[cfg(feature = "half")]
+        "bf16" => run(
+            inputs.map(|x| x.mapv(sdpa::half::bf16::from_f32)),
+            &opts,
+            backward,
+            calls,
+        ),
+        #[cfg(feature = "half")]
+        "f16" => run(
+            inputs.map(|x| x.mapv(sdpa::half::f16::from_f32)),
+            &opts,
+            backward,
+            calls,
+        ),
+        #[cfg(feature = "half")]
+        "bf16-by-hand" => by_hand(
+            inputs.map(|x| x.mapv(sdpa::half::bf16::from_f32)),
+            &opts,
+            calls,
+        ),
+        other => panic!("DTYPE {other}: f32, bf16, f16 or bf16-by-hand (with the half feature)"),
+    };
+    println!(
+        "{n} {} {} {dtype} x{calls}: checksum {checksum:.6e}",
+        if causal { "causal" } else { "full" },
+        if backward { "bwd" } else { "fwd" }
+    );
+}
+
+/// `calls` forwards (and backwards) on `[q, k, v]`.
+fn run<F: Storage + Into<f64>>(
+    [q, k, v]: [Array4<F>; 3],
+    opts: &AttentionOptions<'_, F::Compute>,
+    backward: bool,
+    calls: usize,
+) -> f64 {
+    let widen = |x: &F| -> f64 { (*x).into() };
     let mut checksum = 0.0f64;
     for _ in 0..calls {
         let forward =
-            sdpa::scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), &opts)
+            sdpa::scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), opts)
                 .expect("valid shapes");
         if backward {
             let gradients = sdpa::scaled_dot_product_attention_backward(
                 q.view(),
                 k.view(),
                 v.view(),
-                &opts,
+                opts,
                 &forward,
                 forward.output(),
             )
             .expect("valid shapes");
-            checksum += f64::from(gradients.d_q.sum());
+            checksum += gradients.d_q.iter().map(widen).sum::<f64>();
         }
-        checksum += f64::from(forward.output().sum());
+        checksum += forward.output().iter().map(widen).sum::<f64>();
     }
-    println!(
-        "{n} {} {} x{calls}: checksum {checksum:.6e}",
-        if causal { "causal" } else { "full" },
-        if backward { "bwd" } else { "fwd" }
-    );
+    checksum
+}
+
+/// `calls` forwards of bf16 inputs done by hand: each converted to `f32`,
+/// the `f32` call, the output rounded to bf16.
+#[cfg(feature = "half")]
+fn by_hand(
+    [q, k, v]: [Array4<sdpa::half::bf16>; 3],
+    opts: &AttentionOptions<'_, f32>,
+    calls: usize,
+) -> f64 {
+    use sdpa::half::bf16;
+    let mut checksum = 0.0f64;
+    for _ in 0..calls {
+        let (q, k, v) = (q.mapv(f32::from), k.mapv(f32::from), v.mapv(f32::from));
+        let partial =
+            sdpa::scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), opts)
+                .expect("valid shapes");
+        let out = partial.output().mapv(bf16::from_f32);
+        checksum += out.iter().map(|&x| f64::from(x)).sum::<f64>();
+    }
+    checksum
 }

@@ -3,8 +3,7 @@
 //! forward, [`BackwardCall`] for a backward. After the check every index
 //! the paths compute is in bounds.
 //!
-//! Below both paths: it imports only the options, the error type and the
-//! partial result type.
+//! Below both paths: it imports only the options and the error type.
 
 use ndarray::{
     ArrayBase, ArrayView2, ArrayView3, ArrayView4, ArrayViewMut2, Axis, Data, DataMut, Ix4,
@@ -14,7 +13,6 @@ use crate::alloc;
 use crate::element::Element;
 use crate::error::{AttentionError, ErrorKind, shape_error};
 use crate::options::AttentionOptions;
-use crate::partial::AttentionPartial;
 
 /// The dimensions of a checked attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -265,35 +263,36 @@ pub(crate) fn check_output(shape: &AttentionShape, out: &[usize]) -> Result<(), 
 }
 
 /// Checks a backward call: the forward's arguments ([`check`]), then the
-/// forward's result and `d_out` against the forward's output shape.
+/// forward's result (`out` and its `log_sum_exp`) and `d_out` against the
+/// forward's output shape.
 pub(crate) fn check_backward<'a, F: Element>(
     forward: Call<'a, F>,
-    result: &'a AttentionPartial<F>,
+    out: &'a ArrayView4<'_, F>,
+    log_sum_exp: &'a ArrayView3<'_, F>,
     d_out: &'a ArrayView4<'_, F>,
 ) -> Result<BackwardCall<'a, F>, AttentionError> {
-    let (out, log_sum_exp) = (result.output(), result.log_sum_exp());
     let (b, h, l, d) = forward.shape.output_dim();
     let expected = [b, h, l, d];
     for (name, got) in [
         ("the forward's output", out.shape()),
         ("d_out", d_out.shape()),
+        ("the forward's log-sum-exp", log_sum_exp.shape()),
     ] {
+        let expected = &expected[..got.len().min(4)];
         if got != expected {
             return Err(shape_error(format!(
                 "{name} has shape {got:?} but the call's output is \
-                 [batch, heads, len_q, d_v] = {expected:?} (q {:?}, v {:?})",
+                 [batch, heads, len_q, d_v] = {:?} (q {:?}, v {:?})",
+                [b, h, l, d],
                 forward.q.shape(),
                 forward.v.shape()
             )));
         }
     }
-    // `AttentionPartial` keeps its two arrays consistent, so the
-    // log-sum-exp is `[batch, heads, len_q]` once the output is right.
-    debug_assert_eq!(log_sum_exp.shape(), &expected[..3]);
     Ok(BackwardCall {
         forward,
-        out,
-        log_sum_exp,
+        out: out.view(),
+        log_sum_exp: log_sum_exp.view(),
         d_out: d_out.view(),
     })
 }

@@ -1,20 +1,36 @@
-//! [`Element`]: the float types attention is computed in, and which path
-//! each one runs.
+//! [`Storage`] and [`Element`]: the types attention reads and writes, the
+//! float types it computes in, and which path each one runs.
+//!
+//! An [`Element`] (`f32`, `f64`) is both: its calls compute in the type
+//! itself. A half-precision [`Storage`] type (`half::bf16`, `half::f16`,
+//! with the `half` feature) is only stored: the functional entry points
+//! convert its inputs to its [`Compute`](Storage::Compute) type (`f32`) once,
+//! run the `f32` path, and round the output back once; `core` converts them
+//! to its [`Reference`](Storage::Reference) type (`f64`) instead. Options of
+//! a half call (scale, bias, ALiBi slopes, sinks, softcap) are given in the
+//! compute type, so they are never rounded to 8 or 11 bits, and the
+//! log-sum-exp, `d_bias` and `d_sinks` come back in it too.
 
 use std::fmt::{Debug, Display};
 
 use ndarray::{LinalgScalar, ScalarOperand};
 use num_traits::Float;
 
-// The sealed trait is nameable only inside the crate, so the crate-private
-// types in its signature are never visible to users.
+// The sealed traits are nameable only inside the crate, so the
+// crate-private types in their signatures are never visible to users.
 #[allow(private_interfaces)]
 pub(crate) mod sealed {
-    use ndarray::{ArrayViewMut3, ArrayViewMut4};
+    #[cfg(feature = "half")]
+    use half::slice::HalfFloatSliceExt;
+    use ndarray::{Array, ArrayView, ArrayViewMut3, ArrayViewMut4, CowArray, Dimension};
 
+    use super::Storage;
+    #[cfg(feature = "half")]
+    use crate::alloc::try_zeros;
     use crate::call::{BackwardCall, Call};
     use crate::error::AttentionError;
     use crate::gradients::GradientsViewMut;
+    use crate::options::AttentionOptions;
 
     /// Keeps [`Element`](super::Element) to the types the crate has paths for,
     /// and routes each to its fastest path.
@@ -71,17 +87,375 @@ pub(crate) mod sealed {
             crate::core::backward::backward(call, gradients)
         }
     }
+
+    /// Moves arrays between a [`Storage`](super::Storage) type and the
+    /// types it computes in. For an [`Element`](super::Element) every
+    /// conversion is the identity and borrows or moves without copying.
+    pub trait Convert: Sized {
+        /// `x` in the compute type.
+        fn to_compute<'a, D: Dimension>(
+            x: ArrayView<'a, Self, D>,
+        ) -> Result<CowArray<'a, <Self as Storage>::Compute, D>, AttentionError>
+        where
+            Self: Storage;
+
+        /// `x`, computed in the compute type, in this type.
+        fn from_compute<D: Dimension>(
+            x: Array<<Self as Storage>::Compute, D>,
+        ) -> Result<Array<Self, D>, AttentionError>
+        where
+            Self: Storage;
+
+        /// Runs `f` on a compute-type buffer for `out`, then writes it to
+        /// `out` (for an `Element`, `f` writes `out` itself).
+        fn write_compute<R>(
+            out: ArrayViewMut4<'_, Self>,
+            f: impl FnOnce(ArrayViewMut4<'_, <Self as Storage>::Compute>) -> Result<R, AttentionError>,
+        ) -> Result<R, AttentionError>
+        where
+            Self: Storage;
+
+        /// `x` in the reference type.
+        fn to_reference<'a, D: Dimension>(
+            x: ArrayView<'a, Self, D>,
+        ) -> Result<CowArray<'a, <Self as Storage>::Reference, D>, AttentionError>
+        where
+            Self: Storage;
+
+        /// `x`, computed in the reference type, in this type.
+        fn from_reference<D: Dimension>(
+            x: Array<<Self as Storage>::Reference, D>,
+        ) -> Result<Array<Self, D>, AttentionError>
+        where
+            Self: Storage;
+
+        /// Runs `f` on a reference-type buffer for `out`, then writes it to
+        /// `out`.
+        fn write_reference<R>(
+            out: ArrayViewMut4<'_, Self>,
+            f: impl FnOnce(ArrayViewMut4<'_, <Self as Storage>::Reference>) -> Result<R, AttentionError>,
+        ) -> Result<R, AttentionError>
+        where
+            Self: Storage;
+
+        /// `x`, in the compute type, in the reference type.
+        fn compute_to_reference<'a, D: Dimension>(
+            x: ArrayView<'a, <Self as Storage>::Compute, D>,
+        ) -> Result<CowArray<'a, <Self as Storage>::Reference, D>, AttentionError>
+        where
+            Self: Storage;
+
+        /// `x`, in the reference type, in the compute type.
+        fn reference_to_compute<D: Dimension>(
+            x: Array<<Self as Storage>::Reference, D>,
+        ) -> Result<Array<<Self as Storage>::Compute, D>, AttentionError>
+        where
+            Self: Storage;
+
+        /// Runs `f` on `opts` with its scalars and bias in the reference type.
+        fn with_reference_options<R>(
+            opts: &AttentionOptions<'_, <Self as Storage>::Compute>,
+            f: impl FnOnce(
+                &AttentionOptions<'_, <Self as Storage>::Reference>,
+            ) -> Result<R, AttentionError>,
+        ) -> Result<R, AttentionError>
+        where
+            Self: Storage;
+    }
+
+    /// The identity conversions of a type that computes in itself.
+    macro_rules! identity_convert {
+        ($t:ty) => {
+            impl Convert for $t {
+                fn to_compute<'a, D: Dimension>(
+                    x: ArrayView<'a, $t, D>,
+                ) -> Result<CowArray<'a, $t, D>, AttentionError> {
+                    Ok(CowArray::from(x))
+                }
+
+                fn from_compute<D: Dimension>(
+                    x: Array<$t, D>,
+                ) -> Result<Array<$t, D>, AttentionError> {
+                    Ok(x)
+                }
+
+                fn write_compute<R>(
+                    out: ArrayViewMut4<'_, $t>,
+                    f: impl FnOnce(ArrayViewMut4<'_, $t>) -> Result<R, AttentionError>,
+                ) -> Result<R, AttentionError> {
+                    f(out)
+                }
+
+                fn to_reference<'a, D: Dimension>(
+                    x: ArrayView<'a, $t, D>,
+                ) -> Result<CowArray<'a, $t, D>, AttentionError> {
+                    Ok(CowArray::from(x))
+                }
+
+                fn from_reference<D: Dimension>(
+                    x: Array<$t, D>,
+                ) -> Result<Array<$t, D>, AttentionError> {
+                    Ok(x)
+                }
+
+                fn write_reference<R>(
+                    out: ArrayViewMut4<'_, $t>,
+                    f: impl FnOnce(ArrayViewMut4<'_, $t>) -> Result<R, AttentionError>,
+                ) -> Result<R, AttentionError> {
+                    f(out)
+                }
+
+                fn compute_to_reference<'a, D: Dimension>(
+                    x: ArrayView<'a, $t, D>,
+                ) -> Result<CowArray<'a, $t, D>, AttentionError> {
+                    Ok(CowArray::from(x))
+                }
+
+                fn reference_to_compute<D: Dimension>(
+                    x: Array<$t, D>,
+                ) -> Result<Array<$t, D>, AttentionError> {
+                    Ok(x)
+                }
+
+                fn with_reference_options<R>(
+                    opts: &AttentionOptions<'_, $t>,
+                    f: impl FnOnce(&AttentionOptions<'_, $t>) -> Result<R, AttentionError>,
+                ) -> Result<R, AttentionError> {
+                    f(opts)
+                }
+            }
+        };
+    }
+    identity_convert!(f32);
+    identity_convert!(f64);
+
+    /// The conversions of a half-precision type: to `f32` for the fast
+    /// path, to `f64` for the reference, each a single rounding back.
+    #[cfg(feature = "half")]
+    macro_rules! half_convert {
+        ($t:ty, by_slice: $by_slice:literal) => {
+            impl Convert for $t {
+                fn to_compute<'a, D: Dimension>(
+                    x: ArrayView<'a, $t, D>,
+                ) -> Result<CowArray<'a, f32, D>, AttentionError> {
+                    let converted = if $by_slice {
+                        convert_by_slice(x, |x, y| x.convert_to_f32_slice(y))?
+                    } else {
+                        convert(x, <$t>::to_f32)?
+                    };
+                    Ok(CowArray::from(converted))
+                }
+
+                fn from_compute<D: Dimension>(
+                    x: Array<f32, D>,
+                ) -> Result<Array<$t, D>, AttentionError> {
+                    if $by_slice {
+                        convert_by_slice(x.view(), |x, y: &mut [$t]| y.convert_from_f32_slice(x))
+                    } else {
+                        convert(x.view(), <$t>::from_f32)
+                    }
+                }
+
+                fn write_compute<R>(
+                    mut out: ArrayViewMut4<'_, $t>,
+                    f: impl FnOnce(ArrayViewMut4<'_, f32>) -> Result<R, AttentionError>,
+                ) -> Result<R, AttentionError> {
+                    let mut buffer = try_zeros("the output in f32", out.raw_dim())?;
+                    let result = f(buffer.view_mut())?;
+                    write(
+                        &mut out,
+                        buffer.view(),
+                        |s, d: &mut [$t]| d.convert_from_f32_slice(s),
+                        <$t>::from_f32,
+                    );
+                    Ok(result)
+                }
+
+                fn to_reference<'a, D: Dimension>(
+                    x: ArrayView<'a, $t, D>,
+                ) -> Result<CowArray<'a, f64, D>, AttentionError> {
+                    let converted = convert(x, <$t>::to_f64)?;
+                    Ok(CowArray::from(converted))
+                }
+
+                fn from_reference<D: Dimension>(
+                    x: Array<f64, D>,
+                ) -> Result<Array<$t, D>, AttentionError> {
+                    convert(x.view(), <$t>::from_f64)
+                }
+
+                fn write_reference<R>(
+                    mut out: ArrayViewMut4<'_, $t>,
+                    f: impl FnOnce(ArrayViewMut4<'_, f64>) -> Result<R, AttentionError>,
+                ) -> Result<R, AttentionError> {
+                    let mut buffer = try_zeros("the output in f64", out.raw_dim())?;
+                    let result = f(buffer.view_mut())?;
+                    write(
+                        &mut out,
+                        buffer.view(),
+                        |s, d: &mut [$t]| d.convert_from_f64_slice(s),
+                        <$t>::from_f64,
+                    );
+                    Ok(result)
+                }
+
+                fn compute_to_reference<'a, D: Dimension>(
+                    x: ArrayView<'a, f32, D>,
+                ) -> Result<CowArray<'a, f64, D>, AttentionError> {
+                    Ok(CowArray::from(convert(x, f64::from)?))
+                }
+
+                fn reference_to_compute<D: Dimension>(
+                    x: Array<f64, D>,
+                ) -> Result<Array<f32, D>, AttentionError> {
+                    convert(x.view(), |x| x as f32)
+                }
+
+                fn with_reference_options<R>(
+                    opts: &AttentionOptions<'_, f32>,
+                    f: impl FnOnce(&AttentionOptions<'_, f64>) -> Result<R, AttentionError>,
+                ) -> Result<R, AttentionError> {
+                    opts.with_f64(f)
+                }
+            }
+        };
+    }
+    #[cfg(feature = "half")]
+    // bf16 ↔ f32 is a shift that a plain loop vectorizes; f16's slice
+    // conversion uses F16C where the CPU has it (measured with callgrind:
+    // per element, f16 costs 16% more instructions than by slice).
+    half_convert!(half::bf16, by_slice: false);
+    #[cfg(feature = "half")]
+    half_convert!(half::f16, by_slice: true);
+
+    /// `x` converted element by element into a new standard-layout array.
+    /// Filled by `extend` rather than zeroed and overwritten: a contiguous
+    /// `x` converts in one vectorizable pass, with no `memset` first.
+    #[cfg(feature = "half")]
+    fn convert<A: Copy, B, D: Dimension>(
+        x: ArrayView<'_, A, D>,
+        each: impl Fn(A) -> B,
+    ) -> Result<Array<B, D>, AttentionError> {
+        let mut y = crate::alloc::try_with_capacity("a converted copy of an input", x.len())?;
+        match x.as_slice() {
+            Some(x) => y.extend(x.iter().map(|&x| each(x))),
+            None => y.extend(x.iter().map(|&x| each(x))),
+        }
+        Ok(Array::from_shape_vec(x.raw_dim(), y).expect("the length is the shape's product"))
+    }
+
+    /// `x` converted by `slice` (the `half` crate's, vectorized where the
+    /// CPU allows) into a new standard-layout array; element by element
+    /// when `x` is not contiguous in standard order.
+    #[cfg(feature = "half")]
+    fn convert_by_slice<A: Copy, B: Clone + num_traits::Zero, D: Dimension>(
+        x: ArrayView<'_, A, D>,
+        slice: impl Fn(&[A], &mut [B]),
+    ) -> Result<Array<B, D>, AttentionError> {
+        let mut y = try_zeros("a converted copy of an input", x.raw_dim())?;
+        match (x.as_slice(), y.as_slice_mut()) {
+            (Some(x), Some(y)) => slice(x, y),
+            _ => ndarray::Zip::from(&mut y)
+                .and(&x)
+                .for_each(|y, &x| slice(&[x], std::slice::from_mut(y))),
+        }
+        Ok(y)
+    }
+
+    /// Writes `x` converted into `out` (the same shape, any strides).
+    #[cfg(feature = "half")]
+    fn write<A: Copy, B>(
+        out: &mut ArrayViewMut4<'_, B>,
+        x: ndarray::ArrayView4<'_, A>,
+        slice: impl Fn(&[A], &mut [B]),
+        each: impl Fn(A) -> B,
+    ) {
+        match (x.as_slice(), out.as_slice_mut()) {
+            (Some(x), Some(out)) => slice(x, out),
+            _ => ndarray::Zip::from(out)
+                .and(&x)
+                .for_each(|y, &x| *y = each(x)),
+        }
+    }
+}
+
+/// A type attention's tensors hold: an [`Element`] (`f32`, `f64`), which
+/// is also the type its calls compute in, or, with the `half` feature
+/// (on by default), `half::bf16` or `half::f16`, which are stored only.
+///
+/// A half-precision call converts `q`, `k` and `v` to `f32` once, runs the
+/// fused `f32` path (softmax, running max and sum, accumulator and
+/// log-sum-exp all in `f32`) and rounds the output to the input type once.
+/// Its options are `AttentionOptions<f32>`: the scale, bias, ALiBi slopes,
+/// sinks and softcap are `f32`, so `1/√d_k` and a bias are not rounded to
+/// the storage type; the log-sum-exp of a partial, `d_bias` and `d_sinks`
+/// are `f32` as well. [`core`](crate::core) computes half-precision inputs
+/// in `f64`.
+///
+/// Sealed: the crate has paths for these four types only.
+///
+/// ```
+/// # #[cfg(feature = "half")] {
+/// use half::bf16;
+/// use ndarray::Array4;
+/// use sdpa::{scaled_dot_product_attention, AttentionOptions};
+///
+/// let q = Array4::from_shape_fn((1, 2, 5, 8), |(_, h, i, d)| bf16::from_f32(((h + i * d) % 7) as f32 * 0.1));
+/// // The options of a bf16 call are f32 (here a scale, exact in f32).
+/// let opts = AttentionOptions::new().causal().scale(1.0 / 8f32.sqrt());
+/// let out: Array4<bf16> = scaled_dot_product_attention(q.view(), q.view(), q.view(), &opts)?;
+/// assert_eq!(out.shape(), &[1, 2, 5, 8]);
+/// # }
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+pub trait Storage: Copy + Debug + Display + Send + Sync + 'static + sealed::Convert {
+    /// The type the fast path computes in, which the call's options, the
+    /// log-sum-exp, `d_bias` and `d_sinks` are given in: the type itself
+    /// for an [`Element`], `f32` for `bf16` and `f16`.
+    type Compute: Element;
+    /// The type [`core`](crate::core), the reference, computes in: the
+    /// type itself for an [`Element`], `f64` for `bf16` and `f16`.
+    type Reference: Element;
 }
 
 /// A float type attention is computed in: `f32` or `f64`.
 ///
 /// Sealed: the fast path is written for the types the crate knows. `f32`
 /// calls run the fused, hand-vectorized path; `f64` calls run
-/// [`core`](crate::core), the reference.
+/// [`core`](crate::core), the reference. Every `Element` is a [`Storage`]
+/// type that computes in itself.
 pub trait Element:
-    Float + LinalgScalar + ScalarOperand + Debug + Display + Send + Sync + 'static + sealed::Sealed
+    Storage<Compute = Self, Reference = Self>
+    + Float
+    + LinalgScalar
+    + ScalarOperand
+    + Debug
+    + Display
+    + Send
+    + Sync
+    + 'static
+    + sealed::Sealed
 {
 }
 
+impl Storage for f32 {
+    type Compute = f32;
+    type Reference = f32;
+}
+impl Storage for f64 {
+    type Compute = f64;
+    type Reference = f64;
+}
 impl Element for f32 {}
 impl Element for f64 {}
+
+#[cfg(feature = "half")]
+impl Storage for half::bf16 {
+    type Compute = f32;
+    type Reference = f64;
+}
+#[cfg(feature = "half")]
+impl Storage for half::f16 {
+    type Compute = f32;
+    type Reference = f64;
+}

@@ -5,7 +5,7 @@ use ndarray::{Array1, Array4, ArrayViewMut4};
 
 use crate::alloc::try_zeros;
 use crate::call::Call;
-use crate::element::Element;
+use crate::element::{Element, Storage};
 use crate::error::AttentionError;
 
 /// The gradients of a scalar loss `L` with respect to the inputs of an
@@ -17,7 +17,11 @@ use crate::error::AttentionError;
 /// over the query heads that share it; `d_bias` is summed over the
 /// dimensions in which the bias broadcasts.
 #[derive(Debug, Clone, PartialEq)]
-pub struct AttentionGradients<F> {
+///
+/// For a `bf16` or `f16` call, `d_q`, `d_k` and `d_v` are in the input type
+/// and `d_bias` and `d_sinks` in the options' type, `f32`
+/// ([`Storage::Compute`]).
+pub struct AttentionGradients<F: Storage> {
     /// `∂L/∂q`, `[batch, heads, len_q, d_k]`.
     pub d_q: Array4<F>,
     /// `∂L/∂k`, `[batch, kv_heads, len_kv, d_k]`.
@@ -26,12 +30,12 @@ pub struct AttentionGradients<F> {
     pub d_v: Array4<F>,
     /// `∂L/∂bias`, in the shape the bias was given in (each dimension the
     /// full size or 1), when the options had a bias; `None` otherwise.
-    pub d_bias: Option<Array4<F>>,
+    pub d_bias: Option<Array4<F::Compute>>,
     /// `∂L/∂sinks`, one per query head, when the options had
     /// [`sinks`](crate::AttentionOptions::sinks); `None` otherwise. With a
     /// key shard, that of the shard holding key 0 (the others get zeros), so the
     /// sum over shards is the unsplit call's.
-    pub d_sinks: Option<Array1<F>>,
+    pub d_sinks: Option<Array1<F::Compute>>,
 }
 
 impl<F: Element> AttentionGradients<F> {

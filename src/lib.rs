@@ -33,11 +33,16 @@ pub mod varlen;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
+use element::sealed::Sealed;
+
 #[cfg(feature = "safetensors")]
 pub use checkpoint::Checkpoint;
-pub use element::Element;
+pub use element::{Element, Storage};
 pub use error::{AttentionError, ErrorKind};
 pub use gradients::AttentionGradients;
+/// The `half` crate, whose `bf16` and `f16` are [`Storage`] types.
+#[cfg(feature = "half")]
+pub use half;
 pub use kv_cache::KvCache;
 pub use layer::{
     Attention, AttentionConfig, CausalAttention, ForwardCache, LayerGradients, LayerParameters,
@@ -67,8 +72,10 @@ pub use varlen::{
 /// - returns `[batch, heads, len_q, d_v]`
 ///
 /// Views of any strides are accepted. `f32` runs the fused, hand-vectorized
-/// path; `f64` runs [`core`], the reference. See [`AttentionOptions`] for
-/// masks, scale and bias.
+/// path; `f64` runs [`core`], the reference; `half::bf16` and `half::f16`
+/// (feature `half`) are converted to `f32` and run the fused path, with
+/// `f32` options and the output rounded to the input type (see
+/// [`Storage`]). See [`AttentionOptions`] for masks, scale and bias.
 ///
 /// # Errors
 /// An [`AttentionError`] naming the argument and shapes when batch sizes,
@@ -87,7 +94,18 @@ pub use varlen::{
 /// assert_eq!(out.shape(), &[1, 8, 16, 64]);
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
-pub fn scaled_dot_product_attention<F: Element>(
+pub fn scaled_dot_product_attention<F: Storage>(
+    q: ArrayView4<'_, F>,
+    k: ArrayView4<'_, F>,
+    v: ArrayView4<'_, F>,
+    opts: &AttentionOptions<'_, F::Compute>,
+) -> Result<Array4<F>, AttentionError> {
+    let (q, k, v) = (F::to_compute(q)?, F::to_compute(k)?, F::to_compute(v)?);
+    F::from_compute(attention(q.view(), k.view(), v.view(), opts)?)
+}
+
+/// [`scaled_dot_product_attention`] in a type that computes in itself.
+fn attention<F: Element>(
     q: ArrayView4<'_, F>,
     k: ArrayView4<'_, F>,
     v: ArrayView4<'_, F>,
@@ -100,7 +118,9 @@ pub fn scaled_dot_product_attention<F: Element>(
 }
 
 /// [`scaled_dot_product_attention`] writing into a caller's buffer `out`
-/// (`[batch, heads, len_q, d_v]`, any strides); allocates no output.
+/// (`[batch, heads, len_q, d_v]`, any strides); allocates no output (a
+/// `bf16` or `f16` call computes into an `f32` buffer of the output's shape
+/// and rounds it into `out`).
 ///
 /// # Errors
 /// As [`scaled_dot_product_attention`], and when `out` does not have the
@@ -116,16 +136,18 @@ pub fn scaled_dot_product_attention<F: Element>(
 /// assert!((out[[1, 3, 4, 7]] - 1.0).abs() < 1e-6);
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
-pub fn scaled_dot_product_attention_into<F: Element>(
+pub fn scaled_dot_product_attention_into<F: Storage>(
     q: ArrayView4<'_, F>,
     k: ArrayView4<'_, F>,
     v: ArrayView4<'_, F>,
-    opts: &AttentionOptions<'_, F>,
+    opts: &AttentionOptions<'_, F::Compute>,
     out: ArrayViewMut4<'_, F>,
 ) -> Result<(), AttentionError> {
+    let (q, k, v) = (F::to_compute(q)?, F::to_compute(k)?, F::to_compute(v)?);
+    let (q, k, v) = (q.view(), k.view(), v.view());
     let call = call::check(&q, &k, &v, opts)?;
     call::check_output(&call.shape, out.shape())?;
-    F::forward(&call, out, None)
+    F::write_compute(out, |out| F::Compute::forward(&call, out, None))
 }
 
 /// Attention over the keys and values given, as a mergeable
@@ -134,6 +156,9 @@ pub fn scaled_dot_product_attention_into<F: Element>(
 ///
 /// Use [`AttentionOptions::key_shard`] when `k` and `v` are a shard of a
 /// longer key sequence.
+///
+/// For `bf16` and `f16` the output is in the input type and the
+/// log-sum-exp in `f32`.
 ///
 /// # Errors
 /// As [`scaled_dot_product_attention`].
@@ -156,17 +181,20 @@ pub fn scaled_dot_product_attention_into<F: Element>(
 /// assert!(merged.iter().zip(&whole).all(|(a, b)| (a - b).abs() < 1e-12));
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
-pub fn scaled_dot_product_attention_partial<F: Element>(
+pub fn scaled_dot_product_attention_partial<F: Storage>(
     q: ArrayView4<'_, F>,
     k: ArrayView4<'_, F>,
     v: ArrayView4<'_, F>,
-    opts: &AttentionOptions<'_, F>,
+    opts: &AttentionOptions<'_, F::Compute>,
 ) -> Result<AttentionPartial<F>, AttentionError> {
+    let (q, k, v) = (F::to_compute(q)?, F::to_compute(k)?, F::to_compute(v)?);
+    let (q, k, v) = (q.view(), k.view(), v.view());
     let call = call::check(&q, &k, &v, opts)?;
-    let mut partial = AttentionPartial::zeros(call.shape.output_dim())?;
+    let mut partial = AttentionPartial::<F::Compute>::zeros(call.shape.output_dim())?;
     let (output, log_sum_exp) = partial.parts_mut();
-    F::forward(&call, output, Some(log_sum_exp))?;
-    Ok(partial)
+    F::Compute::forward(&call, output, Some(log_sum_exp))?;
+    let (output, log_sum_exp) = partial.into_parts();
+    AttentionPartial::from_parts(F::from_compute(output)?, log_sum_exp)
 }
 
 /// The gradients of a scalar loss with respect to `q`, `k`, `v` and the
@@ -179,7 +207,10 @@ pub fn scaled_dot_product_attention_partial<F: Element>(
 /// `f32` runs the fused backward pass (FlashAttention-2 order, the `P` tiles
 /// recomputed from the log-sum-exp, no `len_q × len_kv` buffer unless a bias
 /// gradient is asked for, bitwise the same for any thread count); `f64` runs
-/// [`core::scaled_dot_product_attention_backward`], the reference. Every
+/// [`core::scaled_dot_product_attention_backward`], the reference. `bf16`
+/// and `f16` convert `q`, `k`, `v`, the forward's output and `d_out` to
+/// `f32` and run the fused backward; `d_q`, `d_k` and `d_v` are rounded to
+/// the input type, `d_bias` and `d_sinks` stay `f32`. Every
 /// option of the forward is supported; masked entries and rows with no
 /// visible key get exactly zero gradients, and NaN in masked data never
 /// reaches a gradient.
@@ -206,17 +237,33 @@ pub fn scaled_dot_product_attention_partial<F: Element>(
 /// assert!((grads.d_v.sum() - 2.0 * 5.0 * 8.0).abs() < 1e-3);
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
-pub fn scaled_dot_product_attention_backward<F: Element>(
+pub fn scaled_dot_product_attention_backward<F: Storage>(
     q: ArrayView4<'_, F>,
     k: ArrayView4<'_, F>,
     v: ArrayView4<'_, F>,
-    opts: &AttentionOptions<'_, F>,
+    opts: &AttentionOptions<'_, F::Compute>,
     forward: &AttentionPartial<F>,
     d_out: ArrayView4<'_, F>,
 ) -> Result<AttentionGradients<F>, AttentionError> {
-    let call = call::check_backward(call::check(&q, &k, &v, opts)?, forward, &d_out)?;
-    let mut gradients = AttentionGradients::zeros(&call.forward)?;
-    F::backward(&call, gradients.view_mut())?;
-    gradients.d_sinks = modifiers::sink_gradients(&call)?;
-    Ok(gradients)
+    let (q, k, v) = (F::to_compute(q)?, F::to_compute(k)?, F::to_compute(v)?);
+    let (out, d_out) = (F::to_compute(forward.output())?, F::to_compute(d_out)?);
+    let (q, k, v) = (q.view(), k.view(), v.view());
+    let (out, d_out, log_sum_exp) = (out.view(), d_out.view(), forward.log_sum_exp());
+    let call = call::check_backward(call::check(&q, &k, &v, opts)?, &out, &log_sum_exp, &d_out)?;
+    let mut gradients = AttentionGradients::<F::Compute>::zeros(&call.forward)?;
+    F::Compute::backward(&call, gradients.view_mut())?;
+    let AttentionGradients {
+        d_q,
+        d_k,
+        d_v,
+        d_bias,
+        d_sinks: _,
+    } = gradients;
+    Ok(AttentionGradients {
+        d_q: F::from_compute(d_q)?,
+        d_k: F::from_compute(d_k)?,
+        d_v: F::from_compute(d_v)?,
+        d_bias,
+        d_sinks: modifiers::sink_gradients(&call)?,
+    })
 }

@@ -438,3 +438,52 @@ pub(crate) struct KeyShard {
     /// Keys in the whole sequence.
     pub total_len_kv: usize,
 }
+
+#[cfg(feature = "half")]
+impl AttentionOptions<'_, f32> {
+    /// Runs `f` on these options with the scalars, bias, slopes and sinks
+    /// widened to `f64` (exactly): the reference's options for a
+    /// half-precision call, whose options are `f32`.
+    ///
+    /// # Errors
+    /// When the widened bias cannot be allocated, or as `f`.
+    pub(crate) fn with_f64<R>(
+        &self,
+        f: impl FnOnce(&AttentionOptions<'_, f64>) -> Result<R, AttentionError>,
+    ) -> Result<R, AttentionError> {
+        let bias = match &self.bias {
+            Some(bias) => {
+                let mut wide = crate::alloc::try_zeros("the bias in f64", bias.raw_dim())?;
+                wide.zip_mut_with(bias, |y, &x| *y = f64::from(x));
+                Some(wide)
+            }
+            None => None,
+        };
+        let widen = |values: Option<&[f32]>| -> Result<Option<Vec<f64>>, AttentionError> {
+            let Some(values) = values else {
+                return Ok(None);
+            };
+            let mut wide =
+                crate::alloc::try_with_capacity("per-head options in f64", values.len())?;
+            wide.extend(values.iter().map(|&x| f64::from(x)));
+            Ok(Some(wide))
+        };
+        let (alibi, sinks) = (widen(self.alibi)?, widen(self.sinks)?);
+        let wide = AttentionOptions {
+            causal: self.causal,
+            scale: self.scale.map(f64::from),
+            keep_mask: self.keep_mask.as_ref().map(|mask| mask.view()),
+            bias: bias.as_ref().map(|bias| bias.view()),
+            key_lengths: self.key_lengths,
+            key_starts: self.key_starts,
+            window: self.window,
+            key_shard: self.key_shard,
+            keep_mask_given: self.keep_mask_given.clone(),
+            bias_given: self.bias_given.clone(),
+            alibi: alibi.as_deref(),
+            sinks: sinks.as_deref(),
+            softcap: self.softcap.map(f64::from),
+        };
+        f(&wide)
+    }
+}

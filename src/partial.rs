@@ -26,7 +26,7 @@
 use ndarray::{Array3, Array4, ArrayView3, ArrayView4, ArrayViewMut1, Zip};
 use num_traits::Float;
 
-use crate::element::Element;
+use crate::element::{Element, Storage};
 use crate::error::{AttentionError, shape_error};
 
 /// Attention over a shard of the keys: the output normalised over the
@@ -42,10 +42,14 @@ use crate::error::{AttentionError, shape_error};
 /// [`scaled_dot_product_attention_backward`](crate::scaled_dot_product_attention_backward)
 /// takes), by merging, or from received arrays with
 /// [`from_parts`](Self::from_parts).
+///
+/// The log-sum-exp is in the call's compute type
+/// ([`Storage::Compute`]): `f32` for a `bf16` or `f16` output. Merging is
+/// for `f32` and `f64` partials.
 #[derive(Debug, Clone, PartialEq)]
-pub struct AttentionPartial<F> {
+pub struct AttentionPartial<F: Storage> {
     output: Array4<F>,
-    log_sum_exp: Array3<F>,
+    log_sum_exp: Array3<F::Compute>,
 }
 
 impl<F: Element> AttentionPartial<F> {
@@ -63,46 +67,6 @@ impl<F: Element> AttentionPartial<F> {
         &mut self,
     ) -> (ndarray::ArrayViewMut4<'_, F>, ndarray::ArrayViewMut3<'_, F>) {
         (self.output.view_mut(), self.log_sum_exp.view_mut())
-    }
-
-    /// A partial from its two arrays, e.g. received from another machine.
-    ///
-    /// # Errors
-    /// When `log_sum_exp` is not `[batch, heads, len_q]` of `output`.
-    pub fn from_parts(output: Array4<F>, log_sum_exp: Array3<F>) -> Result<Self, AttentionError> {
-        let o = output.shape();
-        if log_sum_exp.shape() != &o[..3] {
-            return Err(shape_error(format!(
-                "log_sum_exp has shape {:?} but output {o:?} needs [batch, heads, len_q] = {:?}",
-                log_sum_exp.shape(),
-                &o[..3]
-            )));
-        }
-        Ok(Self {
-            output,
-            log_sum_exp,
-        })
-    }
-
-    /// The output over this shard's keys, `[batch, heads, len_q, d_v]`.
-    pub fn output(&self) -> ArrayView4<'_, F> {
-        self.output.view()
-    }
-
-    /// Each row's log-sum-exp over this shard, `[batch, heads, len_q]`.
-    pub fn log_sum_exp(&self) -> ArrayView3<'_, F> {
-        self.log_sum_exp.view()
-    }
-
-    /// The two arrays, to send elsewhere.
-    pub fn into_parts(self) -> (Array4<F>, Array3<F>) {
-        (self.output, self.log_sum_exp)
-    }
-
-    /// The attention output: once every shard is merged in, the result of
-    /// the unsplit call.
-    pub fn into_output(self) -> Array4<F> {
-        self.output
     }
 
     /// Merges `other` (attention over other keys, same queries) into `self`.
@@ -140,6 +104,51 @@ impl<F: Element> AttentionPartial<F> {
             merged.merge(&partial)?;
         }
         Ok(merged)
+    }
+}
+
+impl<F: Storage> AttentionPartial<F> {
+    /// A partial from its two arrays, e.g. received from another machine.
+    ///
+    /// # Errors
+    /// When `log_sum_exp` is not `[batch, heads, len_q]` of `output`.
+    pub fn from_parts(
+        output: Array4<F>,
+        log_sum_exp: Array3<F::Compute>,
+    ) -> Result<Self, AttentionError> {
+        let o = output.shape();
+        if log_sum_exp.shape() != &o[..3] {
+            return Err(shape_error(format!(
+                "log_sum_exp has shape {:?} but output {o:?} needs [batch, heads, len_q] = {:?}",
+                log_sum_exp.shape(),
+                &o[..3]
+            )));
+        }
+        Ok(Self {
+            output,
+            log_sum_exp,
+        })
+    }
+
+    /// The output over this shard's keys, `[batch, heads, len_q, d_v]`.
+    pub fn output(&self) -> ArrayView4<'_, F> {
+        self.output.view()
+    }
+
+    /// Each row's log-sum-exp over this shard, `[batch, heads, len_q]`.
+    pub fn log_sum_exp(&self) -> ArrayView3<'_, F::Compute> {
+        self.log_sum_exp.view()
+    }
+
+    /// The two arrays, to send elsewhere.
+    pub fn into_parts(self) -> (Array4<F>, Array3<F::Compute>) {
+        (self.output, self.log_sum_exp)
+    }
+
+    /// The attention output: once every shard is merged in, the result of
+    /// the unsplit call.
+    pub fn into_output(self) -> Array4<F> {
+        self.output
     }
 }
 

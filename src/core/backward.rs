@@ -34,7 +34,7 @@ use ndarray::{Array2, ArrayView2, ArrayView4, ArrayViewMut2, ArrayViewMut4};
 
 use crate::alloc::try_zeros;
 use crate::call::{self, BackwardCall, head, head_mut};
-use crate::element::Element;
+use crate::element::{Element, Storage};
 use crate::error::AttentionError;
 use crate::gradients::{AttentionGradients, GradientsViewMut};
 use crate::mask::{biased, broadcast};
@@ -115,19 +115,37 @@ use crate::partial::AttentionPartial;
 /// assert!((grads.d_k[[0, 0, 1, 2]] - numeric).abs() < 1e-8);
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
-pub fn scaled_dot_product_attention_backward<F: Element>(
+pub fn scaled_dot_product_attention_backward<F: Storage>(
     q: ArrayView4<'_, F>,
     k: ArrayView4<'_, F>,
     v: ArrayView4<'_, F>,
-    opts: &AttentionOptions<'_, F>,
+    opts: &AttentionOptions<'_, F::Compute>,
     forward: &AttentionPartial<F>,
     d_out: ArrayView4<'_, F>,
 ) -> Result<AttentionGradients<F>, AttentionError> {
-    let call = call::check_backward(call::check(&q, &k, &v, opts)?, forward, &d_out)?;
-    let mut gradients = AttentionGradients::zeros(&call.forward)?;
-    backward(&call, gradients.view_mut())?;
-    gradients.d_sinks = crate::modifiers::sink_gradients(&call)?;
-    Ok(gradients)
+    let (q, k, v) = (
+        F::to_reference(q)?,
+        F::to_reference(k)?,
+        F::to_reference(v)?,
+    );
+    let (out, d_out) = (F::to_reference(forward.output())?, F::to_reference(d_out)?);
+    let log_sum_exp = F::compute_to_reference(forward.log_sum_exp())?;
+    let (q, k, v) = (q.view(), k.view(), v.view());
+    let (out, d_out, log_sum_exp) = (out.view(), d_out.view(), log_sum_exp.view());
+    F::with_reference_options(opts, |opts| {
+        let call =
+            call::check_backward(call::check(&q, &k, &v, opts)?, &out, &log_sum_exp, &d_out)?;
+        let mut gradients = AttentionGradients::zeros(&call.forward)?;
+        backward(&call, gradients.view_mut())?;
+        let d_sinks = crate::modifiers::sink_gradients(&call)?;
+        Ok(AttentionGradients {
+            d_q: F::from_reference(gradients.d_q)?,
+            d_k: F::from_reference(gradients.d_k)?,
+            d_v: F::from_reference(gradients.d_v)?,
+            d_bias: gradients.d_bias.map(F::reference_to_compute).transpose()?,
+            d_sinks: d_sinks.map(F::reference_to_compute).transpose()?,
+        })
+    })
 }
 
 /// The reference backward on a checked call; overwrites every gradient in

@@ -3,7 +3,10 @@
 //! generic over [`Element`] and free of `unsafe`.
 //!
 //! This is the oracle every fast path is tested against, and the path `f64`
-//! calls take. It materialises each head's `len_q × len_kv` weights, so its
+//! calls take. Its forward functions take every [`Storage`] type and
+//! compute in its [`Reference`](Storage::Reference) type: `bf16` and `f16`
+//! inputs (and their `f32` options) are widened to `f64`, exactly, and the
+//! result rounded once (the backward's `d_bias` and `d_sinks` to `f32`). It materialises each head's `len_q × len_kv` weights, so its
 //! memory grows with the square of the sequence; the fused `f32` path does not.
 //!
 //! - `forward`: the weights and the output;
@@ -23,7 +26,7 @@ use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
 use crate::alloc::try_zeros;
 use crate::call::{self, head_mut};
-use crate::element::Element;
+use crate::element::{Element, Storage};
 use crate::error::AttentionError;
 use crate::options::AttentionOptions;
 
@@ -45,16 +48,24 @@ use crate::options::AttentionOptions;
 /// assert_eq!(out.shape(), &[1, 2, 3, 4]);
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
-pub fn scaled_dot_product_attention<F: Element>(
+pub fn scaled_dot_product_attention<F: Storage>(
     q: ArrayView4<'_, F>,
     k: ArrayView4<'_, F>,
     v: ArrayView4<'_, F>,
-    opts: &AttentionOptions<'_, F>,
+    opts: &AttentionOptions<'_, F::Compute>,
 ) -> Result<Array4<F>, AttentionError> {
-    let call = call::check(&q, &k, &v, opts)?;
-    let mut out = try_zeros("the output", call.shape.output_dim())?;
-    forward::forward(&call, out.view_mut(), None)?;
-    Ok(out)
+    let (q, k, v) = (
+        F::to_reference(q)?,
+        F::to_reference(k)?,
+        F::to_reference(v)?,
+    );
+    let (q, k, v) = (q.view(), k.view(), v.view());
+    F::with_reference_options(opts, |opts| {
+        let call = call::check(&q, &k, &v, opts)?;
+        let mut out = try_zeros("the output", call.shape.output_dim())?;
+        forward::forward(&call, out.view_mut(), None)?;
+        F::from_reference(out)
+    })
 }
 
 /// [`scaled_dot_product_attention`] writing into `out`
@@ -63,16 +74,24 @@ pub fn scaled_dot_product_attention<F: Element>(
 /// # Errors
 /// An [`AttentionError`] when the shapes or options disagree, or `out` does
 /// not have the output's shape.
-pub fn scaled_dot_product_attention_into<F: Element>(
+pub fn scaled_dot_product_attention_into<F: Storage>(
     q: ArrayView4<'_, F>,
     k: ArrayView4<'_, F>,
     v: ArrayView4<'_, F>,
-    opts: &AttentionOptions<'_, F>,
+    opts: &AttentionOptions<'_, F::Compute>,
     out: ArrayViewMut4<'_, F>,
 ) -> Result<(), AttentionError> {
-    let call = call::check(&q, &k, &v, opts)?;
-    call::check_output(&call.shape, out.shape())?;
-    forward::forward(&call, out, None)
+    let (q, k, v) = (
+        F::to_reference(q)?,
+        F::to_reference(k)?,
+        F::to_reference(v)?,
+    );
+    let (q, k, v) = (q.view(), k.view(), v.view());
+    F::with_reference_options(opts, |opts| {
+        let call = call::check(&q, &k, &v, opts)?;
+        call::check_output(&call.shape, out.shape())?;
+        F::write_reference(out, |out| forward::forward(&call, out, None))
+    })
 }
 
 /// The attention weights `softmax(Q·Kᵀ·scale + bias, masked)`,
@@ -97,12 +116,24 @@ pub fn scaled_dot_product_attention_into<F: Element>(
 /// assert!((w[[0, 0, 2, 1]] - 1.0 / 3.0).abs() < 1e-15);
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
-pub fn attention_weights<F: Element>(
+pub fn attention_weights<F: Storage>(
     q: ArrayView4<'_, F>,
     k: ArrayView4<'_, F>,
+    opts: &AttentionOptions<'_, F::Compute>,
+) -> Result<Array4<F>, AttentionError> {
+    let (q, k) = (F::to_reference(q)?, F::to_reference(k)?);
+    F::with_reference_options(opts, |opts| {
+        F::from_reference(reference_weights(&q.view(), &k.view(), opts)?)
+    })
+}
+
+/// [`attention_weights`] in a type that computes in itself.
+fn reference_weights<F: Element>(
+    q: &ArrayView4<'_, F>,
+    k: &ArrayView4<'_, F>,
     opts: &AttentionOptions<'_, F>,
 ) -> Result<Array4<F>, AttentionError> {
-    let call = call::check(&q, &k, &k, opts)?;
+    let call = call::check(q, k, k, opts)?;
     let shape = call.shape;
     let dim = (shape.batch, shape.heads, shape.len_q, shape.len_kv);
     let mut weights = try_zeros("the attention weights", dim)?;

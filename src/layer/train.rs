@@ -29,7 +29,7 @@ use crate::partial::AttentionPartial;
 /// The gradients are those of the layer's parameters *as they were during
 /// the forward*: call `backward` before updating the layer.
 #[derive(Debug, Clone)]
-pub struct ForwardCache<'a, F> {
+pub struct ForwardCache<'a, F: Element> {
     pub(super) config: AttentionConfig,
     pub(super) options: AttentionOptions<'a, F>,
     /// The query-side input `[batch, len_q, d_model]`.
@@ -43,7 +43,7 @@ pub struct ForwardCache<'a, F> {
     pub(super) attention: AttentionPartial<F>,
 }
 
-impl<F> ForwardCache<'_, F> {
+impl<F: Element> ForwardCache<'_, F> {
     /// The config of the layer whose forward this is.
     pub fn config(&self) -> AttentionConfig {
         self.config

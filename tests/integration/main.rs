@@ -15,6 +15,8 @@ mod errors;
 mod fast_path;
 mod fused_backward;
 mod fuzz;
+#[cfg(feature = "half")]
+mod half;
 mod kv_cache;
 mod layer_gradients;
 mod layer_layouts;
