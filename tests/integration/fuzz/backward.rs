@@ -40,8 +40,8 @@ pub(super) fn backward_case(case: &Case, report: &mut CaseReport) {
     if !case.visible_poison.is_empty()
         || !case.moderate
         || scaled_inputs > 10.0
-        || c.bias_bound > 10.0
-        || c.score_bound + c.bias_bound > 20.0
+        || c.bias_bound + c.alibi_bound > 10.0
+        || c.score_bound + c.bias_bound + c.alibi_bound > 20.0
     {
         return;
     }
@@ -55,16 +55,17 @@ pub(super) fn backward_case(case: &Case, report: &mut CaseReport) {
     let d64 = Data::<f64>::new(case);
     let (o32, o64) = (case.options(&d32), case.options(&d64));
     let (q64, k64, v64) = d64.qkv();
-    let expected = match guarded(|| {
+    let (expected, sink_terms) = match guarded(|| {
         let forward = sdpa::scaled_dot_product_attention_partial(q64, k64, v64, &o64)?;
-        sdpa::core::scaled_dot_product_attention_backward(
+        let gradients = sdpa::core::scaled_dot_product_attention_backward(
             q64,
             k64,
             v64,
             &o64,
             &forward,
             d64.d_out.view(),
-        )
+        )?;
+        Ok::<_, AttentionError>((gradients, sink_terms(case, &forward, &d64.d_out.view())))
     }) {
         Ok(Ok(g)) => g,
         Ok(Err(e)) => return report.fail(EXPECTED, format!("core f64 backward: {e}")),
@@ -125,6 +126,27 @@ pub(super) fn backward_case(case: &Case, report: &mut CaseReport) {
                 format!("fused {set}: d_bias present in one result only"),
             ),
         }
+        match (&got.d_sinks, &expected.d_sinks) {
+            (Some(g), Some(e)) => {
+                // d_sinks[h] = −Σ_(b,i) p_sink·D_i sums a row's worth of
+                // error per row: the tolerance grows with Σ |p_sink·D|.
+                for (h, (&g, &e)) in g.iter().zip(e).enumerate() {
+                    let g = f64::from(g);
+                    let tol = (1.0 + sink_terms[h]) * (2e-5 + 4.0 * c.score_error(EPS32));
+                    if !(g.is_finite() && (g - e).abs() <= tol) {
+                        report.fail(
+                            BACKWARD_CLOSE,
+                            format!("fused {set}: d_sinks[{h}] = {g:e}, f64 reference {e:e} (tolerance {tol:e})"),
+                        );
+                    }
+                }
+            }
+            (None, None) => {}
+            _ => report.fail(
+                BACKWARD_CLOSE,
+                format!("fused {set}: d_sinks present in one result only"),
+            ),
+        }
         for (name, g, e) in pairs {
             let scale = 1.0 + e.iter().fold(0.0f64, |m, x| m.max(x.abs()));
             let tol = scale * (2e-5 + 4.0 * c.score_error(EPS32));
@@ -137,6 +159,41 @@ pub(super) fn backward_case(case: &Case, report: &mut CaseReport) {
             }
         }
     }
+}
+
+/// Per head, `Σ_(b,i) p_sink·Σ_c |dO·O|` from the `f64` forward: the
+/// magnitude of the sum `d_sinks[h]` is (zeros without sinks).
+fn sink_terms(
+    case: &Case,
+    forward: &AttentionPartial<f64>,
+    d_out: &ArrayView4<'_, f64>,
+) -> Vec<f64> {
+    let [batch, heads, len_q, _] = case.q.shape;
+    (0..heads)
+        .map(|h| {
+            let Some(sink) = case.sink(h) else {
+                return 0.0;
+            };
+            ndarray::indices((batch, len_q))
+                .into_iter()
+                .map(|(b, i)| {
+                    let p_sink = (sink - forward.log_sum_exp()[[b, h, i]]).exp();
+                    let out = forward.output();
+                    let delta: f64 = out
+                        .slice(s![b, h, i, ..])
+                        .iter()
+                        .zip(d_out.slice(s![b, h, i, ..]))
+                        .map(|(o, d)| (o * d).abs())
+                        .sum();
+                    if p_sink.is_finite() {
+                        p_sink * delta
+                    } else {
+                        0.0
+                    }
+                })
+                .sum()
+        })
+        .collect()
 }
 
 /// Gradients that must be exactly zero: `d_q` of queries with no live key,

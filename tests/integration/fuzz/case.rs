@@ -62,6 +62,12 @@ pub(super) struct Case {
     pub(super) scale: Option<f32>,
     pub(super) key_lengths: Option<Vec<usize>>,
     pub(super) key_shard: Option<(usize, usize)>,
+    /// ALiBi slopes, one per query head (another count, or a non-finite
+    /// slope, only in a case that expects the error).
+    pub(super) alibi: Option<Vec<f32>>,
+    /// Sink logits, one per query head (likewise).
+    pub(super) sinks: Option<Vec<f32>>,
+    pub(super) softcap: Option<f32>,
     /// The layout of the caller's buffer for `_into`.
     pub(super) out_layout: Layout,
     /// The gradient of the loss for the backward, `[batch, heads, len_q, d_v]`.
@@ -177,6 +183,13 @@ impl Case {
         });
         let mask_shape = rng.chance(0.35).then(|| broadcast_shape(rng));
         let bias_shape = rng.chance(0.35).then(|| broadcast_shape(rng));
+        // Score modifiers (issue 12), each on its own: ALiBi slopes and
+        // sink logits are drawn with the values, one per head.
+        let alibi = rng.chance(0.2).then(PerHead::default);
+        let sinks = rng.chance(0.2).then(PerHead::default);
+        let softcap = rng
+            .chance(0.2)
+            .then(|| pick(rng, &[1e-3, 0.5, 1.0, 5.0, 20.0, 30.0, 50.0, 1e3, 1e30]));
 
         let mut case = CaseShapes {
             q: [batch, heads, len_q, d_k],
@@ -189,6 +202,9 @@ impl Case {
             scale,
             key_lengths,
             key_shard,
+            alibi,
+            sinks,
+            softcap,
             expect: Expect::Ok,
         };
         if rng.chance(0.12) {
@@ -234,6 +250,9 @@ impl Case {
         let d_out_layout = Layout::random(rng, out_shape, true, false);
         let d_out = Tensor::random(out_shape, d_out_layout, || rng.uniform(-1.0, 1.0) as f32);
         let moderate = magnitudes.iter().all(|m| m.is_at_most_one());
+        let heads = case.q[1];
+        let alibi = case.alibi.map(|draw| draw.values(rng, heads, alibi_slopes));
+        let sinks = case.sinks.map(|draw| draw.values(rng, heads, sink_logits));
 
         let mut case = Case {
             seed,
@@ -248,6 +267,9 @@ impl Case {
             scale: case.scale,
             key_lengths: case.key_lengths,
             key_shard: case.key_shard,
+            alibi,
+            sinks,
+            softcap: case.softcap,
             out_layout,
             d_out,
             magnitudes,
@@ -335,6 +357,15 @@ impl Case {
         if let Some((o, t)) = self.key_shard {
             options.push(format!("key_shard({o}, {t})"));
         }
+        if let Some(slopes) = &self.alibi {
+            options.push(format!("alibi {slopes:?}"));
+        }
+        if let Some(sinks) = &self.sinks {
+            options.push(format!("sinks {sinks:?}"));
+        }
+        if let Some(cap) = self.softcap {
+            options.push(format!("softcap {cap:e}"));
+        }
         format!(
             "expect {:?}; q {:?} ({}), k {:?} ({}), v {:?} ({}); magnitudes q/k/v {:?}; options [{}]; out {}; visible non-finite: {:?}",
             self.expect,
@@ -374,6 +405,15 @@ impl Case {
         if let Some((offset, total)) = self.key_shard {
             opts = opts.key_shard(offset, total);
         }
+        if let Some(slopes) = &data.alibi {
+            opts = opts.alibi(slopes);
+        }
+        if let Some(sinks) = &data.sinks {
+            opts = opts.sinks(sinks);
+        }
+        if let Some(cap) = self.softcap {
+            opts = opts.softcap(cast(cap as f64));
+        }
         opts
     }
 
@@ -399,6 +439,60 @@ impl Case {
             && in_window
             && self.key_lengths.as_ref().is_none_or(|l| j < l[b])
             && self.keep_mask.as_ref().is_none_or(|m| m.at([b, h, i, j]))
+    }
+
+    /// ALiBi's bias of the call's key `j` for query `i` of head `h`, from
+    /// the README's definition: `slope_h·(j_whole − p_i)` with `j_whole`
+    /// the key's position in the whole sequence and `p_i = i + total_len_kv
+    /// − len_q` the query's (bottom-right aligned, whatever the causal
+    /// alignment); 0 without ALiBi.
+    pub(super) fn alibi_at(&self, h: usize, i: usize, j: usize) -> f64 {
+        let Some(slopes) = &self.alibi else {
+            return 0.0;
+        };
+        let (offset, total) = self.shard();
+        let query = i as f64 + total as f64 - self.q.shape[2] as f64;
+        slopes[h] as f64 * ((offset + j) as f64 - query)
+    }
+
+    /// The largest `|alibi_at|` over the call's queries and keys (the
+    /// distance is linear in `i` and `j`: its extremes are at the corners).
+    pub(super) fn alibi_bound(&self) -> f64 {
+        let Some(slopes) = &self.alibi else {
+            return 0.0;
+        };
+        let (len_q, len_kv) = (self.q.shape[2], self.len_kv());
+        if len_q == 0 || len_kv == 0 {
+            return 0.0;
+        }
+        let (offset, total) = self.shard();
+        // In f64: an error case's shard may sit near `usize::MAX`.
+        let distance = |i: usize, j: usize| {
+            (offset as f64 + j as f64 - (i as f64 + total as f64 - len_q as f64)).abs()
+        };
+        let max_distance = [
+            (0, 0),
+            (0, len_kv - 1),
+            (len_q - 1, 0),
+            (len_q - 1, len_kv - 1),
+        ]
+        .into_iter()
+        .map(|(i, j)| distance(i, j))
+        .fold(0.0, f64::max);
+        max_abs(slopes.iter()) * max_distance
+    }
+
+    /// The sink logit of head `h` that this call counts, from the README:
+    /// every call's, except that with a key shard only the shard holding
+    /// key 0 of the whole sequence counts it (with no keys at all, a shard
+    /// at offset 0). `None` past the logits of an error case.
+    pub(super) fn sink(&self, h: usize) -> Option<f64> {
+        let logit = *self.sinks.as_ref()?.get(h)?;
+        let counts = match self.key_shard {
+            None => true,
+            Some((offset, total)) => offset == 0 && (self.len_kv() > 0 || total == 0),
+        };
+        counts.then_some(logit as f64)
     }
 
     pub(super) fn bias_at(&self, b: usize, h: usize, i: usize, j: usize) -> f32 {
@@ -560,7 +654,73 @@ pub(super) struct CaseShapes {
     pub(super) scale: Option<f32>,
     pub(super) key_lengths: Option<Vec<usize>>,
     pub(super) key_shard: Option<(usize, usize)>,
+    pub(super) alibi: Option<PerHead>,
+    pub(super) sinks: Option<PerHead>,
+    pub(super) softcap: Option<f32>,
     pub(super) expect: Expect,
+}
+
+/// A per-head modifier array (ALiBi slopes, sink logits) before its values
+/// are drawn: one entry per query head unless a case breaks it.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct PerHead {
+    /// Entries other than one per query head (an error case).
+    pub(super) wrong_len: Option<usize>,
+    /// A non-finite entry at a random index (an error case).
+    pub(super) non_finite: Option<f32>,
+}
+
+impl PerHead {
+    /// The entries for `heads` query heads, from `draw`.
+    pub(super) fn values(
+        self,
+        rng: &mut Rng,
+        heads: usize,
+        draw: fn(&mut Rng, usize) -> Vec<f32>,
+    ) -> Vec<f32> {
+        let mut values = draw(rng, self.wrong_len.unwrap_or(heads));
+        if let Some(x) = self.non_finite
+            && !values.is_empty()
+        {
+            let at = rng.below(values.len());
+            values[at] = x;
+        }
+        values
+    }
+}
+
+/// ALiBi slopes: the standard ones (`sdpa::alibi_slopes`), positive ones of
+/// order 1, signed ones (a bias that grows with distance: valid, if odd),
+/// or large and tiny ones, whose biases f32 resolves poorly.
+pub(super) fn alibi_slopes(rng: &mut Rng, heads: usize) -> Vec<f32> {
+    match rng.below(10) {
+        0..=3 => sdpa::alibi_slopes(heads)
+            .into_iter()
+            .map(|s| s as f32)
+            .collect(),
+        4..=6 => (0..heads).map(|_| rng.uniform(0.0, 1.0) as f32).collect(),
+        7 | 8 => (0..heads).map(|_| rng.uniform(-1.0, 1.0) as f32).collect(),
+        _ => (0..heads)
+            .map(|_| {
+                let sign = if rng.chance(0.5) { -1.0 } else { 1.0 };
+                sign * pick(rng, &[1e-6, 8.0, 100.0, 1e4])
+            })
+            .collect(),
+    }
+}
+
+/// Sink logits: of the order of the scores, larger, or extreme (a sink that
+/// takes all the weight, or none).
+pub(super) fn sink_logits(rng: &mut Rng, heads: usize) -> Vec<f32> {
+    match rng.below(4) {
+        0 | 1 => (0..heads).map(|_| rng.uniform(-3.0, 3.0) as f32).collect(),
+        2 => (0..heads)
+            .map(|_| rng.uniform(-30.0, 30.0) as f32)
+            .collect(),
+        _ => (0..heads)
+            .map(|_| pick(rng, &[-1e10, -100.0, 0.0, 20.0, 100.0, 1e4, 1e10]))
+            .collect(),
+    }
 }
 
 impl CaseShapes {
@@ -570,7 +730,11 @@ impl CaseShapes {
         let total = self.key_shard.map_or(self.k[2], |(_, t)| t);
         let full = [self.q[0], self.q[1], self.q[2], total];
         use ErrorKind::*;
-        self.expect = Expect::Err(match rng.below(17) {
+        let heads = self.q[1];
+        // A count of entries that is not one per head (`heads ≥ 1` here:
+        // nothing else is broken).
+        let wrong_len = |rng: &mut Rng| pick(rng, &[0, heads + 1, heads + 3, 2 * heads]);
+        self.expect = Expect::Err(match rng.below(21) {
             0 => {
                 (self.q[3], self.k[3]) = (0, 0);
                 ZeroDimension
@@ -653,6 +817,47 @@ impl CaseShapes {
                 self.fit_columns();
                 InvalidOption
             }
+            17 => {
+                self.alibi = Some(PerHead {
+                    wrong_len: Some(wrong_len(rng)),
+                    non_finite: None,
+                });
+                InvalidOption
+            }
+            18 => {
+                self.sinks = Some(PerHead {
+                    wrong_len: Some(wrong_len(rng)),
+                    non_finite: None,
+                });
+                InvalidOption
+            }
+            19 => {
+                let broken = Some(PerHead {
+                    wrong_len: None,
+                    non_finite: Some(pick(rng, &[f32::NAN, f32::INFINITY, f32::NEG_INFINITY])),
+                });
+                if rng.chance(0.5) {
+                    self.alibi = broken;
+                } else {
+                    self.sinks = broken;
+                }
+                InvalidOption
+            }
+            20 => {
+                self.softcap = Some(pick(
+                    rng,
+                    &[
+                        0.0,
+                        -0.0,
+                        -1.0,
+                        -30.0,
+                        f32::NAN,
+                        f32::INFINITY,
+                        f32::NEG_INFINITY,
+                    ],
+                ));
+                InvalidOption
+            }
             _ => {
                 // Issue 9, item 7: the causal diagonal overflows.
                 self.key_shard = Some((0, usize::MAX));
@@ -707,6 +912,8 @@ pub(super) struct Data<F> {
     pub(super) keep_mask: Option<Strided<bool>>,
     pub(super) bias: Option<Strided<F>>,
     pub(super) d_out: Strided<F>,
+    pub(super) alibi: Option<Vec<F>>,
+    pub(super) sinks: Option<Vec<F>>,
 }
 
 impl<F: Element> Data<F> {
@@ -719,6 +926,8 @@ impl<F: Element> Data<F> {
             keep_mask: case.keep_mask.as_ref().map(|m| m.strided(|&x| x, true)),
             bias: case.bias.as_ref().map(|b| b.strided(convert, F::nan())),
             d_out: case.d_out.strided(convert, F::nan()),
+            alibi: case.alibi.as_ref().map(|a| a.iter().map(convert).collect()),
+            sinks: case.sinks.as_ref().map(|s| s.iter().map(convert).collect()),
         }
     }
 

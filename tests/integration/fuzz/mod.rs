@@ -1,4 +1,5 @@
-//! A fuzz test that stays (issue 9): random shapes, options, strides,
+//! A fuzz test that stays (issue 9): random shapes, options (the score
+//! modifiers of issue 12 among them: ALiBi, sinks, softcap), strides,
 //! magnitudes and non-finite values through every path — the fused `f32`
 //! path on every kernel set this CPU has, `core` in `f32` and `core` in
 //! `f64` — checked against an oracle written here from the README's

@@ -9,9 +9,22 @@ use super::*;
 /// zeros with log-sum-exp `−inf`, one whose unhidden visible scores are all
 /// `−inf` NaN with log-sum-exp `−inf`; a NaN or `+inf` score makes the row
 /// NaN; a non-finite value of a key of weight reaches its column.
+///
+/// The score modifiers, from the options' documentation: a softcap makes
+/// the scaled score `s` into `cap·tanh(s/cap)` (`±inf` into `±cap`) before
+/// the bias; ALiBi adds `slope_h·(j − p_i)` after it; a sink joins each
+/// softmax's denominator, `P_ij = e^(S_ij) / (e^(sink_h) + Σ_j e^(S_ij))`,
+/// and a row that sees no key (zeros, or NaN when its scores are all
+/// `−inf`) has log-sum-exp `sink_h`.
 pub(super) struct Reference {
     pub(super) out: Array4<f64>,
     pub(super) lse: Array3<f64>,
+    /// The log-sum-exp of the row's keys alone, without the sink: `−inf`
+    /// for a row that sees no key or whose scores are all `−inf`. Equal to
+    /// `lse` without sinks.
+    pub(super) keys_lse: Array3<f64>,
+    /// The sink logit each head's rows count, if any (`Case::sink`).
+    pub(super) sinks: Vec<Option<f64>>,
     /// Rows whose answer the README leaves open: a `−inf` bias on a key
     /// whose score is NaN or infinite (does the bias hide the key or is
     /// `NaN − inf` NaN?), or a non-finite value of a key whose weight
@@ -32,6 +45,8 @@ pub(super) fn oracle(case: &Case, vis: &Visibility) -> Reference {
     let scale = case.scale_f64();
     let mut out = Array4::zeros((batch, heads, len_q, d_v));
     let mut lse = Array3::from_elem((batch, heads, len_q), f64::NEG_INFINITY);
+    let mut keys_lse = Array3::from_elem((batch, heads, len_q), f64::NEG_INFINITY);
+    let sinks: Vec<Option<f64>> = (0..heads).map(|h| case.sink(h)).collect();
     let mut ambiguous = Array3::from_elem((batch, heads, len_q), false);
     let mut sees_non_finite = Array3::from_elem((batch, heads, len_q), false);
     let finite_row = |t: &Tensor<f32>, b: usize, h: usize, i: usize, d: usize| {
@@ -39,6 +54,10 @@ pub(super) fn oracle(case: &Case, vis: &Visibility) -> Reference {
     };
     for (b, h, i) in ndarray::indices((batch, heads, len_q)) {
         let g = h / group;
+        let sink = sinks[h];
+        // A row that sees no key, or only `−inf` scores, has log-sum-exp
+        // `−inf`, or the sink's logit.
+        lse[[b, h, i]] = sink.unwrap_or(f64::NEG_INFINITY);
         sees_non_finite[[b, h, i]] = (0..len_kv).any(|j| {
             let bias = case.bias_at(b, h, i, j);
             vis.visible[[b, h, i, j]]
@@ -57,12 +76,16 @@ pub(super) fn oracle(case: &Case, vis: &Visibility) -> Reference {
                 .map(|d| case.q.at([b, h, i, d]) as f64 * case.k.at([b, g, j, d]) as f64)
                 .sum();
             let bias = case.bias_at(b, h, i, j) as f64;
-            let score = scale * dot;
+            let mut score = scale * dot;
+            if let Some(cap) = case.softcap {
+                let cap = cap as f64;
+                score = cap * (score / cap).tanh();
+            }
             if bias == f64::NEG_INFINITY {
                 ambiguous[[b, h, i]] |= !score.is_finite();
                 continue;
             }
-            scores.push((j, score + bias));
+            scores.push((j, score + bias + case.alibi_at(h, i, j)));
         }
         let max = scores.iter().fold(f64::NEG_INFINITY, |m, &(_, s)| {
             if m.is_nan() || s.is_nan() {
@@ -76,16 +99,23 @@ pub(super) fn oracle(case: &Case, vis: &Visibility) -> Reference {
         }
         if max == f64::NEG_INFINITY {
             // Every unhidden visible score −inf from the data: a sum of
-            // weights of 0, so NaN out and log-sum-exp −inf.
+            // weights of 0, so NaN out and log-sum-exp −inf (the sink's,
+            // with a sink).
             out.slice_mut(s![b, h, i, ..]).fill(f64::NAN);
             continue;
         }
         if !max.is_finite() {
             out.slice_mut(s![b, h, i, ..]).fill(f64::NAN);
             lse[[b, h, i]] = f64::NAN;
+            keys_lse[[b, h, i]] = f64::NAN;
             continue;
         }
-        let sum: f64 = scores.iter().map(|&(_, s)| (s - max).exp()).sum();
+        let keys_sum: f64 = scores.iter().map(|&(_, s)| (s - max).exp()).sum();
+        keys_lse[[b, h, i]] = max + keys_sum.ln();
+        // With a sink, every weight is relative to the larger of the two.
+        let max = sink.map_or(max, |sink| max.max(sink));
+        let sum = scores.iter().map(|&(_, s)| (s - max).exp()).sum::<f64>()
+            + sink.map_or(0.0, |sink| (sink - max).exp());
         for &(j, score) in &scores {
             let weight = (score - max).exp() / sum;
             let values = (0..d_v).map(|c| case.v.at([b, g, j, c]) as f64);
@@ -103,6 +133,8 @@ pub(super) fn oracle(case: &Case, vis: &Visibility) -> Reference {
     Reference {
         out,
         lse,
+        keys_lse,
+        sinks,
         ambiguous,
         sees_non_finite,
     }
@@ -123,10 +155,28 @@ pub(super) fn oracle(case: &Case, vis: &Visibility) -> Reference {
 /// check relaxes by itself where f32 cannot resolve the scores (a score of
 /// 1e6 has an ulp of 0.06). For inputs of order 1 it is about 3e-5·max|v|,
 /// the tolerance of the other tests.
+///
+/// The modifiers: ALiBi adds a bias of at most `A = max|slope|·max|j − p_i|`,
+/// counted with the bias. A softcap's tanh has slope at most 1, so the
+/// dot product's error passes through it shrunk (and a capped score moves
+/// by at most `2·cap`), and the cap itself adds a few ulp of
+/// `min(S, cap)` (tanh ≤ 3 ulp, the division and the product). A sink
+/// scales the keys' convex combination by `W = e^(lse_keys − lse)`, whose
+/// relative error is at most `2Δs` plus the rounding of two log-sum-exps
+/// of magnitude up to `S + B + A + |sink|`.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Conditioning {
     pub(super) score_bound: f64,
     pub(super) bias_bound: f64,
+    /// `A` above: the largest `|ALiBi bias|` of the call, 0 without ALiBi.
+    pub(super) alibi_bound: f64,
+    pub(super) softcap: Option<f64>,
+    /// The largest `|score|` after the softcap: `min(S, cap)`, or `cap`
+    /// when a query or key holds an infinity (which the cap makes `±cap`);
+    /// `S` without a softcap.
+    pub(super) capped_bound: f64,
+    /// The largest `|sink|` the call counts, `None` without sinks.
+    pub(super) sink_bound: Option<f64>,
     pub(super) v_max: f64,
     pub(super) len_kv: usize,
     /// A score (or a partial product of it, in whatever order a path
@@ -146,20 +196,58 @@ impl Conditioning {
         let scale = case.scale_f64().abs();
         let d_k = case.q.shape[3] as f64;
         let bias_bound = case.bias.as_ref().map_or(0.0, |b| max_abs(b.base.iter()));
+        let alibi_bound = case.alibi_bound();
+        let softcap = case.softcap.map(f64::from);
         let score_bound = scale * q_max * k_max * d_k;
-        let worst_order = scale.max(1.0) * q_max.max(1.0) * k_max.max(1.0) * d_k + bias_bound;
+        let worst_order =
+            scale.max(1.0) * q_max.max(1.0) * k_max.max(1.0) * d_k + bias_bound + alibi_bound;
+        // Capped scores span at most 2·cap: no weight underflows there.
+        let qk_finite = case
+            .q
+            .base
+            .iter()
+            .chain(&case.k.base)
+            .all(|x| x.is_finite());
+        let capped_bound = softcap.map_or(score_bound, |cap| {
+            if qk_finite { score_bound.min(cap) } else { cap }
+        });
+        let heads = case.q.shape[1];
+        let sink_bound = case.sinks.as_ref().map(|_| {
+            (0..heads)
+                .filter_map(|h| case.sink(h))
+                .fold(0.0, |m: f64, s| m.max(s.abs()))
+        });
         Conditioning {
             score_bound,
             bias_bound,
+            alibi_bound,
+            softcap,
+            capped_bound,
+            sink_bound,
             v_max: max_abs(case.v.base.iter()),
             len_kv: case.len_kv(),
             overflow_risk: worst_order * 64.0 > f32::MAX as f64,
-            underflow_free: 2.0 * (score_bound + bias_bound) < 80.0,
+            underflow_free: 2.0 * (capped_bound + bias_bound + alibi_bound) < 80.0,
         }
     }
 
     pub(super) fn score_error(&self, eps: f64) -> f64 {
-        8.0 * eps * (self.score_bound + self.bias_bound + 1.0)
+        let dot = 8.0 * eps * (self.score_bound + 1.0);
+        let scores = match self.softcap {
+            Some(cap) => dot.min(2.0 * cap) + 8.0 * eps * self.capped_bound,
+            None => dot,
+        };
+        scores + 8.0 * eps * (self.bias_bound + self.alibi_bound)
+    }
+
+    /// The relative error of a sink's share `W` of the weight (see above),
+    /// 0 without sinks.
+    fn sink_share_error(&self, eps: f64) -> f64 {
+        self.sink_bound.map_or(0.0, |sink| {
+            let lse_bound =
+                self.capped_bound + self.bias_bound + self.alibi_bound + self.log_len() + sink;
+            2.0 * self.score_error(eps) + 8.0 * eps * (lse_bound + 4.0)
+        })
     }
 
     pub(super) fn log_len(&self) -> f64 {
@@ -167,12 +255,21 @@ impl Conditioning {
     }
 
     pub(super) fn output(&self, eps: f64) -> f64 {
-        self.v_max * (4.0 * self.score_error(eps) + eps * (32.0 + 4.0 * self.log_len()))
+        self.v_max
+            * (4.0 * self.score_error(eps)
+                + self.sink_share_error(eps)
+                + eps * (32.0 + 4.0 * self.log_len()))
             + f32::MIN_POSITIVE as f64
     }
 
     pub(super) fn log_sum_exp(&self, eps: f64, lse: f64) -> f64 {
-        2.0 * self.score_error(eps) + eps * (lse.abs() + 4.0 * self.log_len() + 4.0)
+        // With a sink, one more log-sum-exp of two terms.
+        let sink = if self.sink_bound.is_some() {
+            4.0 * eps * (lse.abs() + 2.0)
+        } else {
+            0.0
+        };
+        2.0 * self.score_error(eps) + eps * (lse.abs() + 4.0 * self.log_len() + 4.0) + sink
     }
 }
 
@@ -198,7 +295,8 @@ pub(super) const PROPAGATES: &str =
     "non-finite visible input reaches the output (no silent finite value)";
 pub(super) const SEES_KEY: &str =
     "a row that sees a key is never reported as seeing none (zeros / lse −inf)";
-pub(super) const SEES_NONE: &str = "a row that sees no key outputs exact zeros and lse −inf";
+pub(super) const SEES_NONE: &str =
+    "a row that sees no key outputs exact zeros and lse −inf (the sink's logit, with sinks)";
 pub(super) const CLOSE: &str = "output within tolerance of the f64 answer";
 pub(super) const LSE_CLOSE: &str = "log-sum-exp within tolerance of the f64 answer";
 
@@ -265,20 +363,30 @@ pub(super) fn check_forward(
         if ambiguous {
             continue;
         }
+        // Whether the row sees a key is a matter of its keys alone: the
+        // sink, if any, only joins their log-sum-exp.
+        let keys_lse = reference.keys_lse[[b, h, i]];
         // A row whose unhidden keys all scored −inf (NaN, log-sum-exp −inf)
         // was checked above.
-        if want_lse == f64::NEG_INFINITY && want.iter().any(|w| w.is_nan()) {
+        if keys_lse == f64::NEG_INFINITY && want.iter().any(|w| w.is_nan()) {
             continue;
         }
-        if want_lse == f64::NEG_INFINITY {
-            if got.iter().any(|&g| g != 0.0) || got_lse.is_some_and(|g| g != f64::NEG_INFINITY) {
+        if keys_lse == f64::NEG_INFINITY {
+            // Zeros, and log-sum-exp −inf or exactly the sink's logit.
+            if got.iter().any(|&g| g != 0.0) || got_lse.is_some_and(|g| g != want_lse) {
                 report.fail(
                     SEES_NONE,
-                    format!("{label}: row [{b}, {h}, {i}] = {got} with lse {got_lse:?}"),
+                    format!("{label}: row [{b}, {h}, {i}] = {got} with lse {got_lse:?}, f64 lse {want_lse:e}"),
                 );
             }
         } else {
-            let zeros = want.iter().all(|w| w.is_finite())
+            // With a sink, the keys' share of the weight may underflow
+            // (f32 flushes e^−104): zeros are wrong only where the keys
+            // hold at least half of it and the log-sum-exps are resolved.
+            let share_resolved = reference.sinks[h].is_none()
+                || ((keys_lse - want_lse).exp() >= 0.5 && c.log_sum_exp(path.eps, want_lse) < 1.0);
+            let zeros = share_resolved
+                && want.iter().all(|w| w.is_finite())
                 && want.iter().any(|&w| w != 0.0)
                 && got.iter().all(|&g| g == 0.0);
             if zeros || got_lse == Some(f64::NEG_INFINITY) {
