@@ -1265,11 +1265,17 @@ fn padded_layout_options_are_rejected_with_the_reason() {
         ),
         (
             AttentionOptions::new().key_lengths(&lengths),
-            &["key_lengths and key_starts are not supported", "cu_seqlens_kv"],
+            &[
+                "key_lengths and key_starts are not supported",
+                "cu_seqlens_kv",
+            ],
         ),
         (
             AttentionOptions::new().key_starts(&lengths),
-            &["key_lengths and key_starts are not supported", "cu_seqlens_kv"],
+            &[
+                "key_lengths and key_starts are not supported",
+                "cu_seqlens_kv",
+            ],
         ),
         (
             AttentionOptions::new().key_shard(0, 6),
