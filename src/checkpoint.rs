@@ -121,7 +121,9 @@ impl Checkpoint {
     /// [`ErrorKind::MissingTensor`] when there is no such tensor (the
     /// message lists those there are, up to a few dozen);
     /// [`ErrorKind::UnsupportedDtype`] when its elements are not `F32` or
-    /// `F64`; [`ErrorKind::OutOfMemory`] when the array cannot be allocated.
+    /// `F64` (or, with the `half` feature, `BF16` or `F16`, which convert
+    /// exactly); [`ErrorKind::OutOfMemory`] when the array cannot be
+    /// allocated.
     pub fn tensor<F: Element>(&self, name: &str) -> Result<ArrayD<F>, AttentionError> {
         self.get(name)?.ok_or_else(|| self.missing(name))
     }
@@ -141,11 +143,17 @@ impl Checkpoint {
         let elements: Vec<F> = match view.dtype() {
             Dtype::F32 => convert::<F, 4>(data, |b| f64::from(f32::from_le_bytes(b)))?,
             Dtype::F64 => convert::<F, 8>(data, f64::from_le_bytes)?,
+            // Half-precision checkpoints (the usual bf16 release) load into
+            // f32 or f64 layers exactly: every bf16 and f16 is an f32.
+            #[cfg(feature = "half")]
+            Dtype::BF16 => convert::<F, 2>(data, |b| f64::from(half::bf16::from_le_bytes(b)))?,
+            #[cfg(feature = "half")]
+            Dtype::F16 => convert::<F, 2>(data, |b| f64::from(half::f16::from_le_bytes(b)))?,
             other => {
                 return Err(AttentionError::new(
                     ErrorKind::UnsupportedDtype,
                     format!(
-                        "tensor `{name}` {shape:?} has dtype {other:?}; only F32 and F64 \
+                        "tensor `{name}` {shape:?} has dtype {other:?}; only {READ} \
                          tensors are read (convert it, e.g. with tensor.float() in torch)"
                     ),
                 ));
@@ -181,6 +189,12 @@ impl Checkpoint {
         )
     }
 }
+
+/// The element types [`Checkpoint::get`] reads, for its error message.
+#[cfg(feature = "half")]
+const READ: &str = "F32, F64, BF16 and F16";
+#[cfg(not(feature = "half"))]
+const READ: &str = "F32 and F64";
 
 /// `prefix` and `name` joined by a `.`, unless the prefix is empty or
 /// already ends in one.

@@ -125,6 +125,31 @@ fn a_per_head_fused_projection_checks_its_heads() {
 }
 
 #[test]
+#[cfg(feature = "half")]
+fn a_half_precision_tensor_loads_exactly() {
+    // `half.weight` is `q.weight.to(torch.bfloat16)`.
+    let checkpoint = fixture("torch_linear.safetensors");
+    let half = checkpoint.tensor::<f32>("half.weight").unwrap();
+    let full = checkpoint.tensor::<f32>("q.weight").unwrap();
+    let rounded = full.mapv(|x| f32::from(sdpa::half::bf16::from_f32(x)));
+    assert_eq!(half, rounded);
+    let config = AttentionConfig::new(8, 1);
+    let parameters = LayerParameters::<f32>::load_torch_linear(
+        &checkpoint,
+        "",
+        ["half", "k", "v"],
+        None,
+        &config,
+    )
+    .unwrap();
+    assert_eq!(
+        parameters.w_q,
+        rounded.into_dimensionality::<ndarray::Ix2>().unwrap().t()
+    );
+}
+
+#[test]
+#[cfg(not(feature = "half"))]
 fn a_half_precision_tensor_names_its_dtype() {
     let checkpoint = fixture("torch_linear.safetensors");
     assert_error(
