@@ -77,8 +77,8 @@ pub(crate) fn check<'a, F: Element>(
     v: &'a ArrayView4<'_, F>,
     opts: &'a AttentionOptions<'_, F>,
 ) -> Result<Call<'a, F>, AttentionError> {
-    let shape = check_shapes(q.shape(), k.shape(), v.shape())?;
-    let layouts = || describe(q.shape(), k.shape(), v.shape());
+    let shape = check_shapes(&PADDED, q.shape(), k.shape(), v.shape())?;
+    let layouts = || (PADDED.describe)(q.shape(), k.shape(), v.shape());
     let total_len_kv = match opts.key_shard {
         Some(shard) if shard.total_len_kv > isize::MAX as usize => {
             return Err(AttentionError::new(
@@ -184,70 +184,114 @@ pub(crate) fn check<'a, F: Element>(
     })
 }
 
-/// The dimensions of `q`, `k` and `v`, if they agree.
-fn check_shapes(
+/// Where a layout keeps each dimension of `q`, `k` and `v`: the padded
+/// `[batch, heads, len, d]` of the 4-D calls, or the packed
+/// `[total, heads, d]` of the varlen calls. One check serves both.
+pub(crate) struct Layout {
+    /// The batch axis; a packed layout has none (its shape's batch is 1).
+    batch: Option<usize>,
+    heads: usize,
+    len: usize,
+    d: usize,
+    /// What the layout calls the key length axis: `len_kv` or `total_kv`.
+    len_kv_name: &'static str,
+    /// The shapes of `q`, `k` and `v` with their axes named, for messages.
+    describe: fn(&[usize], &[usize], &[usize]) -> String,
+}
+
+/// The 4-D layout: `[batch, heads, len, d]`.
+pub(crate) const PADDED: Layout = Layout {
+    batch: Some(0),
+    heads: 1,
+    len: 2,
+    d: 3,
+    len_kv_name: "len_kv",
+    describe: |qs, ks, vs| {
+        format!(
+            "q {qs:?} = [batch, heads, len_q, d_k], k {ks:?} = [batch, kv_heads, len_kv, d_k], \
+             v {vs:?} = [batch, kv_heads, len_kv, d_v]"
+        )
+    },
+};
+
+/// The packed layout of the varlen calls: `[total, heads, d]`.
+pub(crate) const PACKED: Layout = Layout {
+    batch: None,
+    heads: 1,
+    len: 0,
+    d: 2,
+    len_kv_name: "total_kv",
+    describe: |qs, ks, vs| {
+        format!(
+            "q {qs:?} = [total_q, heads, d_k], k {ks:?} = [total_kv, kv_heads, d_k], \
+             v {vs:?} = [total_kv, kv_heads, d_v]"
+        )
+    },
+};
+
+/// The dimensions of `q`, `k` and `v` laid out as `layout` says, if they
+/// agree.
+pub(crate) fn check_shapes(
+    layout: &Layout,
     qs: &[usize],
     ks: &[usize],
     vs: &[usize],
 ) -> Result<AttentionShape, AttentionError> {
-    let layouts = || describe(qs, ks, vs);
-    if ks[0] != qs[0] || vs[0] != qs[0] {
+    let layouts = || (layout.describe)(qs, ks, vs);
+    let Layout { heads, len, d, .. } = *layout;
+    if let Some(b) = layout.batch
+        && (ks[b] != qs[b] || vs[b] != qs[b])
+    {
         return Err(shape_error(format!("batch sizes differ: {}", layouts())));
     }
-    if qs[3] == 0 {
+    if qs[d] == 0 {
         return Err(AttentionError::new(
             ErrorKind::ZeroDimension,
             format!("d_k must be positive: {}", layouts()),
         ));
     }
-    if ks[3] != qs[3] {
+    if ks[d] != qs[d] {
         return Err(shape_error(format!("d_k of q and k differ: {}", layouts())));
     }
-    if vs[1] != ks[1] {
+    if vs[heads] != ks[heads] {
         return Err(shape_error(format!(
             "kv_heads of k and v differ: {}",
             layouts()
         )));
     }
-    if vs[2] != ks[2] {
+    if vs[len] != ks[len] {
         return Err(shape_error(format!(
-            "len_kv of k and v differ: {}",
+            "{} of k and v differ: {}",
+            layout.len_kv_name,
             layouts()
         )));
     }
-    if qs[1] == 0 || ks[1] == 0 {
+    if qs[heads] == 0 || ks[heads] == 0 {
         return Err(AttentionError::new(
             ErrorKind::ZeroDimension,
             format!("heads and kv_heads must be positive: {}", layouts()),
         ));
     }
-    if !qs[1].is_multiple_of(ks[1]) {
+    if !qs[heads].is_multiple_of(ks[heads]) {
         return Err(AttentionError::new(
             ErrorKind::HeadsNotDivisible,
             format!(
                 "heads ({}) must be a multiple of kv_heads ({}): {}",
-                qs[1],
-                ks[1],
+                qs[heads],
+                ks[heads],
                 layouts()
             ),
         ));
     }
     Ok(AttentionShape {
-        batch: qs[0],
-        heads: qs[1],
-        kv_heads: ks[1],
-        len_q: qs[2],
-        len_kv: ks[2],
-        d_k: qs[3],
-        d_v: vs[3],
+        batch: layout.batch.map_or(1, |b| qs[b]),
+        heads: qs[heads],
+        kv_heads: ks[heads],
+        len_q: qs[len],
+        len_kv: ks[len],
+        d_k: qs[d],
+        d_v: vs[d],
     })
-}
-
-fn describe(qs: &[usize], ks: &[usize], vs: &[usize]) -> String {
-    format!(
-        "q {qs:?} = [batch, heads, len_q, d_k], k {ks:?} = [batch, kv_heads, len_kv, d_k], \
-         v {vs:?} = [batch, kv_heads, len_kv, d_v]"
-    )
 }
 
 /// Checks that `out` has exactly the output's shape.

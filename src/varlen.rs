@@ -361,8 +361,7 @@ pub fn scaled_dot_product_attention_varlen_backward<F: Element>(
         || (),
         |_, (s, d_q, d_k, d_v)| {
             on_kernel_set(kernel_set, || {
-                let (queries, keys) = packed.sequence(s);
-                let (q, k, v) = (as_call(q, &queries), as_call(k, &keys), as_call(v, &keys));
+                let (queries, [q, k, v]) = packed.sequence(s, [q, k, v]);
                 let (out, d_out) = (as_call(out, &queries), as_call(d_out, &queries));
                 let log_sum_exp = log_sum_exp_as_call(log_sum_exp, &queries);
                 let call = BackwardCall {
@@ -415,12 +414,17 @@ impl Packed<'_> {
         (self.total_q, self.heads, self.d_v)
     }
 
-    /// The query rows and key rows of sequence `s`.
-    fn sequence(&self, s: usize) -> (Range<usize>, Range<usize>) {
-        (
-            self.cu_seqlens_q[s]..self.cu_seqlens_q[s + 1],
-            self.cu_seqlens_kv[s]..self.cu_seqlens_kv[s + 1],
-        )
+    /// Sequence `s` of the packed `q`, `k` and `v` as a 4-D call's
+    /// inputs, with its query rows (to slice the arrays shaped like `q`).
+    fn sequence<'v, F>(
+        &self,
+        s: usize,
+        [q, k, v]: [ArrayView3<'v, F>; 3],
+    ) -> (Range<usize>, [ArrayView4<'v, F>; 3]) {
+        let queries = self.cu_seqlens_q[s]..self.cu_seqlens_q[s + 1];
+        let keys = self.cu_seqlens_kv[s]..self.cu_seqlens_kv[s + 1];
+        let inputs = [as_call(q, &queries), as_call(k, &keys), as_call(v, &keys)];
+        (queries, inputs)
     }
 
     /// Checks that the array `name` has exactly the output's shape.
@@ -447,58 +451,20 @@ fn check<'a, F: Element>(
     opts: &AttentionOptions<'_, F>,
 ) -> Result<Packed<'a>, AttentionError> {
     reject_padded_options(opts)?;
-    let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
-    let layouts = || {
-        format!(
-            "q {qs:?} = [total_q, heads, d_k], k {ks:?} = [total_kv, kv_heads, d_k], \
-             v {vs:?} = [total_kv, kv_heads, d_v]"
-        )
-    };
-    if qs[2] == 0 {
-        return Err(AttentionError::new(
-            ErrorKind::ZeroDimension,
-            format!("d_k must be positive: {}", layouts()),
-        ));
-    }
-    if ks[2] != qs[2] {
-        return Err(shape_error(format!("d_k of q and k differ: {}", layouts())));
-    }
-    if vs[0] != ks[0] {
-        return Err(shape_error(format!(
-            "total_kv of k and v differ: {}",
-            layouts()
-        )));
-    }
-    if vs[1] != ks[1] {
-        return Err(shape_error(format!(
-            "kv_heads of k and v differ: {}",
-            layouts()
-        )));
-    }
-    if qs[1] == 0 || ks[1] == 0 {
-        return Err(AttentionError::new(
-            ErrorKind::ZeroDimension,
-            format!("heads and kv_heads must be positive: {}", layouts()),
-        ));
-    }
-    if !qs[1].is_multiple_of(ks[1]) {
-        return Err(AttentionError::new(
-            ErrorKind::HeadsNotDivisible,
-            format!(
-                "heads ({}) must be a multiple of kv_heads ({}): {}",
-                qs[1],
-                ks[1],
-                layouts()
-            ),
-        ));
-    }
-    check_offsets("cu_seqlens_q", cu_seqlens_q, "q has", "total_q", qs[0])?;
+    let shape = call::check_shapes(&call::PACKED, q.shape(), k.shape(), v.shape())?;
+    check_offsets(
+        "cu_seqlens_q",
+        cu_seqlens_q,
+        "q has",
+        "total_q",
+        shape.len_q,
+    )?;
     check_offsets(
         "cu_seqlens_kv",
         cu_seqlens_kv,
         "k and v have",
         "total_kv",
-        ks[0],
+        shape.len_kv,
     )?;
     if cu_seqlens_q.len() != cu_seqlens_kv.len() {
         return Err(AttentionError::new(
@@ -526,9 +492,9 @@ fn check<'a, F: Element>(
     Ok(Packed {
         cu_seqlens_q,
         cu_seqlens_kv,
-        total_q: qs[0],
-        heads: qs[1],
-        d_v: vs[2],
+        total_q: shape.len_q,
+        heads: shape.heads,
+        d_v: shape.d_v,
     })
 }
 
@@ -617,8 +583,7 @@ fn forward<F: Element>(
         || (),
         |_, (s, (out, log_sum_exp))| {
             on_kernel_set(kernel_set, || {
-                let (queries, keys) = packed.sequence(s);
-                let (q, k, v) = (as_call(q, &queries), as_call(k, &keys), as_call(v, &keys));
+                let (_, [q, k, v]) = packed.sequence(s, [q, k, v]);
                 let call = call::check(&q, &k, &v, opts)?;
                 F::forward(
                     &call,

@@ -250,34 +250,81 @@ fn gpt_neox_partial_rotary_attention_decodes_as_transformers() {
 /// layer 0 slides, layer 1 is global. Gemma 2 scales by
 /// `query_pre_attn_scalar^-1/2 = 1/4` (not `1/√8`), caps the scaled
 /// scores, then masks: `.scale(0.25).softcap(3.0)`.
-#[test]
-fn gemma2_softcapped_attention_matches_transformers() {
-    let checkpoint = fixture("hf_gemma2.safetensors");
+const GEMMA2_SCALE: f32 = 0.25;
+const GEMMA2_CAP: f32 = 3.0;
+
+/// One layer of a fixture model: its number, its sliding window (`None`
+/// for a global layer) and the input the fixture fed it.
+struct FixtureLayer<L> {
+    i: usize,
+    window: Option<usize>,
+    layer: L,
+    x: Array3<f32>,
+}
+
+impl<L> FixtureLayer<L> {
+    /// The name of the layer's output in the fixture.
+    fn output(&self) -> String {
+        format!("layer{}.output", self.i)
+    }
+}
+
+/// The Gemma 2 fixture's two layers, as `CausalAttention` layers.
+fn gemma2_layers(checkpoint: &Checkpoint) -> Vec<FixtureLayer<CausalAttention<f32>>> {
     let config = AttentionConfig::new(32, 4)
         .with_kv_heads(2)
         .with_head_dim(8)
         .with_output_projection(32)
         .with_rope(RopeConfig::new(10_000.0, MAX_POSITIONS));
-    let (scale, cap) = (0.25, 3.0);
-    for (i, window) in [(0, Some(4)), (1, None)] {
-        let prefix = format!("model.layers.{i}.self_attn");
-        let parameters = LayerParameters::load_hf_llama(&checkpoint, &prefix, &config).unwrap();
-        let layer = CausalAttention::new(config, parameters).unwrap();
-        let x: Array3<f32> = tensor(&checkpoint, &format!("layer{i}.input"));
+    [(0, Some(4)), (1, None)]
+        .into_iter()
+        .map(|(i, window)| {
+            let prefix = format!("model.layers.{i}.self_attn");
+            let parameters = LayerParameters::load_hf_llama(checkpoint, &prefix, &config).unwrap();
+            FixtureLayer {
+                i,
+                window,
+                layer: CausalAttention::new(config, parameters).unwrap(),
+                x: tensor(checkpoint, &format!("layer{i}.input")),
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn gemma2_softcapped_attention_matches_transformers() {
+    let checkpoint = fixture("hf_gemma2.safetensors");
+    for fixture in gemma2_layers(&checkpoint) {
+        let FixtureLayer { i, window, .. } = fixture;
         let with_window = |opts: AttentionOptions<'static, f32>| match window {
             Some(w) => opts.window(w),
             None => opts,
         };
-        let opts = with_window(AttentionOptions::new().scale(scale).softcap(cap));
-        let got = layer.forward_batch_with(x.view(), &opts).unwrap();
-        let output = format!("layer{i}.output");
-        assert_close(&got, &checkpoint, &output, &format!("Gemma 2 layer {i}"));
+        let layer = &fixture.layer;
+        let opts = with_window(
+            AttentionOptions::new()
+                .scale(GEMMA2_SCALE)
+                .softcap(GEMMA2_CAP),
+        );
+        let got = layer.forward_batch_with(fixture.x.view(), &opts).unwrap();
+        assert_close(
+            &got,
+            &checkpoint,
+            &fixture.output(),
+            &format!("Gemma 2 layer {i}"),
+        );
 
         // The fixture tells the orders apart: capping before scaling,
         // scale·cap·tanh(q·k/cap), is the scale-then-cap of a cap scale·cap.
-        let capped_first = with_window(AttentionOptions::new().scale(scale).softcap(scale * cap));
-        let wrong = layer.forward_batch_with(x.view(), &capped_first).unwrap();
-        let difference = max_difference(&wrong, &checkpoint.tensor(&output).unwrap());
+        let capped_first = with_window(
+            AttentionOptions::new()
+                .scale(GEMMA2_SCALE)
+                .softcap(GEMMA2_SCALE * GEMMA2_CAP),
+        );
+        let wrong = layer
+            .forward_batch_with(fixture.x.view(), &capped_first)
+            .unwrap();
+        let difference = max_difference(&wrong, &checkpoint.tensor(&fixture.output()).unwrap());
         assert!(
             difference > 0.1,
             "layer {i}: cap then scale is off by only {difference}"
@@ -285,113 +332,26 @@ fn gemma2_softcapped_attention_matches_transformers() {
     }
 }
 
-/// GptOssConfig(hidden_size=32, heads 4, kv heads 2, head_dim 8,
-/// sliding_window 4, its default YaRN rope): a sink logit per head, biases
-/// on every projection, layer 0 sliding, layer 1 global.
-///
-/// YaRN's frequencies are not the default ones, so the layer's
-/// `RopeConfig` cannot state them: the functional API takes the model's
-/// `inv_freq` through [`RopeTable::from_inverse_frequencies`]. YaRN also
-/// multiplies cos and sin by `attention_scaling` `m`, which scales every
-/// `q·k` by `m²`: that goes into the scale, `m²/√d_k`.
+/// Softcap when decoding, through the layer: the whole-sequence output
+/// equals a prefill of the first [`PROMPT`] tokens and one `step_with` per
+/// token. The sliding layer runs both on a ring of its window and on a
+/// growing cache with `.window()`.
 #[test]
-fn gpt_oss_attention_with_sinks_matches_transformers() {
-    let checkpoint = fixture("hf_gpt_oss.safetensors");
-    let config = AttentionConfig::new(32, 4)
-        .with_kv_heads(2)
-        .with_head_dim(8)
-        .with_output_projection(32)
-        .with_bias(true);
-    let inverse_frequencies: Array1<f64> = tensor(&checkpoint, "rope.inv_freq");
-    let m: Array1<f64> = tensor(&checkpoint, "rope.attention_scaling");
-    let table = RopeTable::from_inverse_frequencies(inverse_frequencies.as_slice().unwrap(), 64);
-    let scale = (m[0] * m[0] / 8f64.sqrt()) as f32;
-    for (i, window) in [(0, Some(4)), (1, None)] {
-        let prefix = format!("model.layers.{i}.self_attn");
-        let parameters = LayerParameters::load_hf_llama(&checkpoint, &prefix, &config).unwrap();
-        let sinks: Array1<f32> = tensor::<f32, Ix1>(&checkpoint, &format!("{prefix}.sinks"));
-        let functional = Functional::with_table(&config, parameters, table.clone().unwrap());
-        let x: Array3<f32> = tensor(&checkpoint, &format!("layer{i}.input"));
-        let [q, k, v] = functional.heads(x.view(), 0);
-        let opts = AttentionOptions::new()
-            .scale(scale)
-            .sinks(sinks.as_slice().unwrap());
-        let opts = match window {
-            Some(w) => opts.window(w),
-            None => opts.causal(),
-        };
-        let heads = scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts).unwrap();
-        let got = functional.output(heads);
-        let output = format!("layer{i}.output");
-        assert_close(&got, &checkpoint, &output, &format!("gpt-oss layer {i}"));
-    }
-}
-
-/// BloomConfig(hidden_size=24, n_head=6): 6 heads, not a power of two, so
-/// `alibi_slopes` takes the odd terms of the 8-head sequence for the last
-/// two. Sequence 1 is padded after 5 tokens (`key_lengths`).
-#[test]
-fn bloom_alibi_attention_matches_transformers() {
-    let checkpoint = fixture("hf_bloom.safetensors");
-    let heads = 6;
-    let slopes: Vec<f32> = alibi_slopes(heads).into_iter().map(|s| s as f32).collect();
-    // build_alibi_tensor: [batch·heads, 1, len], slope_h · (position of key j),
-    // position 0 at padding. The slopes are powers of two: exact.
-    let alibi: Array3<f32> = tensor(&checkpoint, "alibi");
-    let lengths = [7, 5];
-    for (b, &length) in lengths.iter().enumerate() {
-        for (h, &slope) in slopes.iter().enumerate() {
-            for j in 0..alibi.dim().2 {
-                let position = if j < length { j as f32 } else { 0.0 };
-                assert_eq!(
-                    alibi[[b * heads + h, 0, j]],
-                    slope * position,
-                    "{b} {h} {j}"
-                );
-            }
-        }
-    }
-    let config = AttentionConfig::new(24, heads)
-        .with_output_projection(24)
-        .with_bias(true);
-    let prefix = "transformer.h.0.self_attention";
-    let parameters = LayerParameters::load_bloom_attention(&checkpoint, prefix, &config).unwrap();
-    let layer = CausalAttention::new(config, parameters).unwrap();
-    let x: Array3<f32> = tensor(&checkpoint, "input");
-    let opts = AttentionOptions::new().alibi(&slopes).key_lengths(&lengths);
-    let got = layer.forward_batch_with(x.view(), &opts).unwrap();
-    assert_close(&got, &checkpoint, "output", "BLOOM");
-}
-
-/// The score modifiers when decoding: each model's whole-sequence output
-/// (what the fixtures hold) equals a prefill of its first [`PROMPT`] tokens
-/// followed by one step per token, with the same options (`prefill_with`
-/// and `step_with` for the layers, `KvCache::prefill` and `attend_with`
-/// for the functional form). Sliding layers run both on a ring of the
-/// window and on a growing cache with `.window()`.
-#[test]
-fn softcap_sinks_and_alibi_decode_as_transformers() {
-    // Gemma 2: softcap and its scale, through the layer.
+fn gemma2_softcapped_attention_decodes_as_transformers() {
     let checkpoint = fixture("hf_gemma2.safetensors");
-    let config = AttentionConfig::new(32, 4)
-        .with_kv_heads(2)
-        .with_head_dim(8)
-        .with_output_projection(32)
-        .with_rope(RopeConfig::new(10_000.0, MAX_POSITIONS));
-    for (i, window) in [(0, Some(4)), (1, None)] {
-        let prefix = format!("model.layers.{i}.self_attn");
-        let parameters = LayerParameters::load_hf_llama(&checkpoint, &prefix, &config).unwrap();
-        let layer = CausalAttention::new(config, parameters).unwrap();
-        let x: Array3<f32> = tensor(&checkpoint, &format!("layer{i}.input"));
-        let opts = AttentionOptions::new().scale(0.25).softcap(3.0);
+    for fixture in gemma2_layers(&checkpoint) {
+        let (layer, x) = (&fixture.layer, &fixture.x);
+        let opts = AttentionOptions::new()
+            .scale(GEMMA2_SCALE)
+            .softcap(GEMMA2_CAP);
         let batch = x.dim().0;
-        let mut runs = vec![(layer.new_cache(batch, 2).unwrap(), opts.clone())];
-        if let Some(w) = window {
-            runs = vec![
+        let runs = match fixture.window {
+            Some(w) => vec![
                 (layer.new_window_cache(batch, w).unwrap(), opts.clone()),
                 (layer.new_cache(batch, 2).unwrap(), opts.clone().window(w)),
-            ];
-        }
+            ],
+            None => vec![(layer.new_cache(batch, 2).unwrap(), opts.clone())],
+        };
         for (mut cache, opts) in runs {
             let mut steps = vec![
                 layer
@@ -405,39 +365,105 @@ fn softcap_sinks_and_alibi_decode_as_transformers() {
                         .unwrap(),
                 );
             }
-            let what = format!("Gemma 2 layer {i} decoded, ring {:?}", cache.window());
-            assert_close(
-                &tokens(&steps),
-                &checkpoint,
-                &format!("layer{i}.output"),
-                &what,
+            let what = format!(
+                "Gemma 2 layer {} decoded, ring {:?}",
+                fixture.i,
+                cache.window()
             );
+            assert_close(&tokens(&steps), &checkpoint, &fixture.output(), &what);
         }
     }
+}
 
-    // gpt-oss: sinks (and YaRN, see above), through the functional form.
-    let checkpoint = fixture("hf_gpt_oss.safetensors");
+/// A gpt-oss layer written out with the functional API, its sink logits
+/// and its scale.
+struct GptOss {
+    functional: Functional,
+    sinks: Array1<f32>,
+    scale: f32,
+}
+
+impl GptOss {
+    /// The options every call of this layer takes.
+    fn opts(&self) -> AttentionOptions<'_, f32> {
+        AttentionOptions::new()
+            .scale(self.scale)
+            .sinks(self.sinks.as_slice().unwrap())
+    }
+}
+
+/// GptOssConfig(hidden_size=32, heads 4, kv heads 2, head_dim 8,
+/// sliding_window 4, its default YaRN rope): a sink logit per head, biases
+/// on every projection, layer 0 sliding, layer 1 global.
+///
+/// YaRN's frequencies are not the default ones, so the layer's
+/// `RopeConfig` cannot state them: the functional API takes the model's
+/// `inv_freq` through [`RopeTable::from_inverse_frequencies`]. YaRN also
+/// multiplies cos and sin by `attention_scaling` `m`, which scales every
+/// `q·k` by `m²`: that goes into the scale, `m²/√d_k`.
+fn gpt_oss_layers(checkpoint: &Checkpoint) -> Vec<FixtureLayer<GptOss>> {
     let config = AttentionConfig::new(32, 4)
         .with_kv_heads(2)
         .with_head_dim(8)
         .with_output_projection(32)
         .with_bias(true);
-    let inverse_frequencies: Array1<f64> = tensor(&checkpoint, "rope.inv_freq");
-    let m: Array1<f64> = tensor(&checkpoint, "rope.attention_scaling");
+    let inverse_frequencies: Array1<f64> = tensor(checkpoint, "rope.inv_freq");
+    let m: Array1<f64> = tensor(checkpoint, "rope.attention_scaling");
     let table = RopeTable::from_inverse_frequencies(inverse_frequencies.as_slice().unwrap(), 64);
     let scale = (m[0] * m[0] / 8f64.sqrt()) as f32;
-    for (i, window) in [(0, Some(4)), (1, None)] {
-        let prefix = format!("model.layers.{i}.self_attn");
-        let parameters = LayerParameters::load_hf_llama(&checkpoint, &prefix, &config).unwrap();
-        let sinks: Array1<f32> = tensor::<f32, Ix1>(&checkpoint, &format!("{prefix}.sinks"));
-        let functional = Functional::with_table(&config, parameters, table.clone().unwrap());
-        let x: Array3<f32> = tensor(&checkpoint, &format!("layer{i}.input"));
-        let [q, k, v] = functional.heads(x.view(), 0);
-        let opts = AttentionOptions::new()
-            .scale(scale)
-            .sinks(sinks.as_slice().unwrap());
+    [(0, Some(4)), (1, None)]
+        .into_iter()
+        .map(|(i, window)| {
+            let prefix = format!("model.layers.{i}.self_attn");
+            let parameters = LayerParameters::load_hf_llama(checkpoint, &prefix, &config).unwrap();
+            FixtureLayer {
+                i,
+                window,
+                layer: GptOss {
+                    functional: Functional::with_table(&config, parameters, table.clone().unwrap()),
+                    sinks: tensor::<f32, Ix1>(checkpoint, &format!("{prefix}.sinks")),
+                    scale,
+                },
+                x: tensor(checkpoint, &format!("layer{i}.input")),
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn gpt_oss_attention_with_sinks_matches_transformers() {
+    let checkpoint = fixture("hf_gpt_oss.safetensors");
+    for fixture in gpt_oss_layers(&checkpoint) {
+        let GptOss { functional, .. } = &fixture.layer;
+        let [q, k, v] = functional.heads(fixture.x.view(), 0);
+        let opts = fixture.layer.opts();
+        let opts = match fixture.window {
+            Some(w) => opts.window(w),
+            None => opts.causal(),
+        };
+        let heads = scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts).unwrap();
+        let what = format!("gpt-oss layer {}", fixture.i);
+        assert_close(
+            &functional.output(heads),
+            &checkpoint,
+            &fixture.output(),
+            &what,
+        );
+    }
+}
+
+/// Sinks when decoding, through the functional form: `KvCache::prefill`
+/// of the first [`PROMPT`] tokens, then one `attend_with` per token (a ring
+/// of the window for the sliding layer).
+#[test]
+fn gpt_oss_attention_with_sinks_decodes_as_transformers() {
+    let checkpoint = fixture("hf_gpt_oss.safetensors");
+    for fixture in gpt_oss_layers(&checkpoint) {
+        let functional = &fixture.layer.functional;
+        let [q, k, v] = functional.heads(fixture.x.view(), 0);
+        let opts = fixture.layer.opts();
         let (batch, kv_heads) = (k.dim().0, k.dim().1);
-        let mut cache = match window {
+        let mut cache = match fixture.window {
             Some(w) => KvCache::with_window(w, batch, kv_heads, 8, 8).unwrap(),
             None => KvCache::new(batch, kv_heads, 8, 8, 2).unwrap(),
         };
@@ -447,7 +473,7 @@ fn softcap_sinks_and_alibi_decode_as_transformers() {
                 .prefill(q.slice(prompt), k.slice(prompt), v.slice(prompt), &opts)
                 .unwrap(),
         ];
-        for t in PROMPT..x.dim().1 {
+        for t in PROMPT..fixture.x.dim().1 {
             let new = s![.., .., t..=t, ..];
             heads.push(
                 cache
@@ -457,29 +483,65 @@ fn softcap_sinks_and_alibi_decode_as_transformers() {
         }
         let views: Vec<_> = heads.iter().map(|h| h.view()).collect();
         let got = functional.output(ndarray::concatenate(Axis(2), &views).unwrap());
-        assert_close(
-            &got,
-            &checkpoint,
-            &format!("layer{i}.output"),
-            &format!("gpt-oss layer {i} decoded"),
-        );
+        let what = format!("gpt-oss layer {} decoded", fixture.i);
+        assert_close(&got, &checkpoint, &fixture.output(), &what);
     }
+}
 
-    // BLOOM: ALiBi decoded (sequence 0, all 7 tokens real), and its
-    // right-padded batch as a padded prompt (stored left-padded).
-    let checkpoint = fixture("hf_bloom.safetensors");
-    let heads = 6;
-    let slopes: Vec<f32> = alibi_slopes(heads).into_iter().map(|s| s as f32).collect();
-    let config = AttentionConfig::new(24, heads)
+/// BloomConfig(hidden_size=24, n_head=6): 6 heads, not a power of two, so
+/// `alibi_slopes` takes the odd terms of the 8-head sequence for the last
+/// two. Sequence 1 is padded after 5 tokens.
+const BLOOM_HEADS: usize = 6;
+const BLOOM_LENGTHS: [usize; 2] = [7, 5];
+
+/// The BLOOM fixture's layer and its ALiBi slopes.
+fn bloom_layer(checkpoint: &Checkpoint) -> (CausalAttention<f32>, Vec<f32>) {
+    let slopes = alibi_slopes(BLOOM_HEADS)
+        .into_iter()
+        .map(|s| s as f32)
+        .collect();
+    let config = AttentionConfig::new(24, BLOOM_HEADS)
         .with_output_projection(24)
         .with_bias(true);
-    let parameters = LayerParameters::load_bloom_attention(
-        &checkpoint,
-        "transformer.h.0.self_attention",
-        &config,
-    )
-    .unwrap();
-    let layer = CausalAttention::new(config, parameters).unwrap();
+    let prefix = "transformer.h.0.self_attention";
+    let parameters = LayerParameters::load_bloom_attention(checkpoint, prefix, &config).unwrap();
+    (CausalAttention::new(config, parameters).unwrap(), slopes)
+}
+
+#[test]
+fn bloom_alibi_attention_matches_transformers() {
+    let checkpoint = fixture("hf_bloom.safetensors");
+    let (layer, slopes) = bloom_layer(&checkpoint);
+    // build_alibi_tensor: [batch·heads, 1, len], slope_h · (position of key j),
+    // position 0 at padding. The slopes are powers of two: exact.
+    let alibi: Array3<f32> = tensor(&checkpoint, "alibi");
+    for (b, &length) in BLOOM_LENGTHS.iter().enumerate() {
+        for (h, &slope) in slopes.iter().enumerate() {
+            for j in 0..alibi.dim().2 {
+                let position = if j < length { j as f32 } else { 0.0 };
+                assert_eq!(
+                    alibi[[b * BLOOM_HEADS + h, 0, j]],
+                    slope * position,
+                    "{b} {h} {j}"
+                );
+            }
+        }
+    }
+    let x: Array3<f32> = tensor(&checkpoint, "input");
+    let opts = AttentionOptions::new()
+        .alibi(&slopes)
+        .key_lengths(&BLOOM_LENGTHS);
+    let got = layer.forward_batch_with(x.view(), &opts).unwrap();
+    assert_close(&got, &checkpoint, "output", "BLOOM");
+}
+
+/// ALiBi when decoding: sequence 0 (all 7 tokens real) prefilled then
+/// stepped, and the right-padded batch as a padded prompt (stored
+/// left-padded).
+#[test]
+fn bloom_alibi_attention_decodes_as_transformers() {
+    let checkpoint = fixture("hf_bloom.safetensors");
+    let (layer, slopes) = bloom_layer(&checkpoint);
     let x: Array3<f32> = tensor(&checkpoint, "input");
     let expected: Array3<f32> = tensor(&checkpoint, "output");
     let opts = AttentionOptions::new().alibi(&slopes);
@@ -506,7 +568,11 @@ fn softcap_sinks_and_alibi_decode_as_transformers() {
         "BLOOM decoded: off by {difference}"
     );
     let padded = layer
-        .prefill_with(x.view(), &opts.clone().key_lengths(&[7, 5]), &mut cache)
+        .prefill_with(
+            x.view(),
+            &opts.clone().key_lengths(&BLOOM_LENGTHS),
+            &mut cache,
+        )
         .unwrap();
     assert_eq!(cache.key_starts(), Some(&[0, 2][..]));
     let difference = max_difference(
