@@ -117,6 +117,11 @@ unsafe impl Vector for __m256 {
         unsafe { _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(self, threshold), value) }
     }
     #[inline(always)]
+    unsafe fn all_less(self, threshold: Self) -> bool {
+        // SAFETY: AVX2 and FMA (the caller's).
+        unsafe { _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(self, threshold)) == 0xff }
+    }
+    #[inline(always)]
     unsafe fn exp2_int(self) -> Self {
         // SAFETY: AVX2 and FMA (the caller's).
         unsafe {

@@ -117,6 +117,11 @@ unsafe impl Vector for __m512 {
         unsafe { _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_NLT_UQ>(self, threshold), value) }
     }
     #[inline(always)]
+    unsafe fn all_less(self, threshold: Self) -> bool {
+        // SAFETY: AVX-512F (the caller's).
+        unsafe { _mm512_cmp_ps_mask::<_CMP_LT_OQ>(self, threshold) == 0xffff }
+    }
+    #[inline(always)]
     unsafe fn exp2_int(self) -> Self {
         // SAFETY: AVX-512F (the caller's).
         unsafe {

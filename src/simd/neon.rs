@@ -120,6 +120,11 @@ unsafe impl Vector for float32x4_t {
         }
     }
     #[inline(always)]
+    unsafe fn all_less(self, threshold: Self) -> bool {
+        // SAFETY: NEON (the caller's).
+        unsafe { vminvq_u32(vcltq_f32(self, threshold)) == u32::MAX }
+    }
+    #[inline(always)]
     unsafe fn exp2_int(self) -> Self {
         // SAFETY: NEON (the caller's).
         unsafe {

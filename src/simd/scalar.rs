@@ -87,6 +87,10 @@ unsafe impl Vector for f32 {
         if self < threshold { 0.0 } else { value }
     }
     #[inline(always)]
+    unsafe fn all_less(self, threshold: Self) -> bool {
+        self < threshold
+    }
+    #[inline(always)]
     unsafe fn exp2_int(self) -> Self {
         // A NaN `self` casts to 0; the NaN survives in the other factor.
         f32::from_bits(((self as i32 + 127) as u32) << 23)

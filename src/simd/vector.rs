@@ -80,6 +80,12 @@ pub(crate) unsafe trait Vector: Copy {
     /// # Safety
     /// The CPU has the instruction set of `Self`.
     unsafe fn zero_where_less(self, threshold: Self, value: Self) -> Self;
+    /// Whether every lane is less than the same lane of `threshold` (false
+    /// when a lane is NaN): lets a kernel skip work no lane needs.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
+    unsafe fn all_less(self, threshold: Self) -> bool;
     /// `2^n` for lanes holding whole numbers `n` in `[-126, 128]` (`2^128`
     /// is the bit pattern of `+inf`).
     ///
