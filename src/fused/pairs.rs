@@ -1,0 +1,206 @@
+//! The prefill of a `bf16` call on AVX-512 BF16: the keys and values of
+//! each `(batch, kv_head)` packed once as `bf16` pairs, and both products
+//! of every tile on `vdpbf16ps` ([`crate::simd::Bf16Dot`]). Everything
+//! else, jobs, tiles, masks, modifiers, softmax, log-sum-exp and sinks, is
+//! the `f32` prefill's (`forward.rs`, `tile.rs`): this file is only a
+//! [`TileSource`] with its packing.
+//!
+//! A `bf16` call's inputs reach here converted to `f32` exactly, so
+//! rounding them back to `bf16` when packing (and the queries, unscaled,
+//! in `tile.rs`) is exact too: the scores are the `f32` sums of exact
+//! products, scaled in `f32`. The one rounding this path adds over the
+//! `f32` path is the weights `P`, rounded to `bf16` per tile for `P·V`:
+//! each by a relative 2⁻⁹ at most, so an output moves by at most
+//! `2⁻⁹·Σ_j p_j·|v_j|/Σ_j p_j ≤ 2⁻⁹·max|v|` beyond the `f32` path's error.
+
+use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4};
+
+use super::KEY_TILE;
+use super::decode;
+use super::forward::{Forward, prefill_with};
+use super::tile::{TileQueries, TileSource, bf16_bits};
+use crate::alloc::{element_count, try_filled};
+use crate::call::{Call, head};
+use crate::error::AttentionError;
+use crate::simd::{Bf16Dot, Kernel, PAIR_KEYS, WithKernel};
+
+const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
+
+/// `f32` lanes of the AVX-512 set, the only one this path runs with: the
+/// value rows the tile keeps are padded to it, as `Bf16Dot` needs.
+const LANES: usize = 16;
+
+/// One `bf16` forward call on AVX-512 BF16, waiting for its kernel.
+pub(super) struct Bf16Forward<'c, 'a> {
+    pub(super) forward: Forward<'c, 'a>,
+    pub(super) dot: Bf16Dot,
+}
+
+impl WithKernel for Bf16Forward<'_, '_> {
+    type Output = Result<(), AttentionError>;
+
+    /// The pairs prefill, unless the `f32` driver's answer is the one to
+    /// give: empty outputs and decoding steps (its own paths), and calls
+    /// whose unscaled products could overflow `f32` where the `f32` path's
+    /// scaled ones would not (it decides what an overflow gives).
+    fn run<K: Kernel>(self, kernel: K) -> Self::Output {
+        let Bf16Forward { forward, dot } = self;
+        let call = forward.call;
+        let empty = forward.out.is_empty()
+            && forward
+                .log_sum_exp
+                .as_ref()
+                .is_none_or(|lse| lse.is_empty());
+        if empty
+            || K::LANES != LANES
+            || decode::reads_keys_in_place::<K>(call)
+            || products_may_overflow(call)
+        {
+            return forward.run(kernel);
+        }
+        let Forward {
+            call,
+            out,
+            log_sum_exp,
+        } = forward;
+        prefill(kernel, dot, call, out, log_sum_exp)
+    }
+}
+
+/// Whether `|q·k|`, unscaled or scaled, may come near `f32::MAX` for some
+/// query and key: `d_k·max|q|·max|k|·max(|scale|, 1)` past half of it.
+fn products_may_overflow(call: &Call<'_, f32>) -> bool {
+    let max_abs = |x: &ndarray::ArrayView4<'_, f32>| x.fold(0.0f32, |max, x| max.max(x.abs()));
+    let bound = f64::from(max_abs(&call.q))
+        * f64::from(max_abs(&call.k))
+        * call.shape.d_k as f64
+        * f64::from(call.scale.abs().max(1.0));
+    bound > f64::from(f32::MAX) / 2.0
+}
+
+/// The prefill with each `(batch, kv_head)` packed into [`PairedKeys`].
+fn prefill<K: Kernel>(
+    kernel: K,
+    dot: Bf16Dot,
+    call: &Call<'_, f32>,
+    out: ArrayViewMut4<'_, f32>,
+    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
+) -> Result<(), AttentionError> {
+    prefill_with(kernel, call, out, log_sum_exp, |b, kv_h| {
+        PairedKeys::pack(dot, call, b, kv_h)
+    })
+}
+
+/// One head's keys and values as `bf16` pairs, padded to whole key tiles
+/// with zeros.
+struct PairedKeys {
+    dot: Bf16Dot,
+    /// Per key tile `[d_pairs][KEY_TILE]`: key `j`'s dims `2p, 2p + 1` at
+    /// `[p][j]`.
+    keys: Vec<u32>,
+    d_pairs: usize,
+    /// Per key tile `[KEY_TILE/2][width]`: keys `2i, 2i + 1` of column `c`
+    /// at `[i][c]`.
+    values: Vec<u32>,
+    /// `d_v` rounded up to whole vectors, as the query tile's output rows.
+    width: usize,
+    max_abs_key: f32,
+    /// Per key tile: does a value there hold NaN or an infinity?
+    tile_has_nonfinite_values: Vec<bool>,
+}
+
+impl PairedKeys {
+    /// Packs the keys and values of `(b, kv_h)`.
+    ///
+    /// # Errors
+    /// When the buffers are too large to address or cannot be allocated.
+    fn pack(
+        dot: Bf16Dot,
+        call: &Call<'_, f32>,
+        b: usize,
+        kv_h: usize,
+    ) -> Result<Self, AttentionError> {
+        let shape = call.shape;
+        let tiles = shape.len_kv.div_ceil(KEY_TILE);
+        let padded = tiles * KEY_TILE;
+        let d_pairs = shape.d_k.div_ceil(2);
+        let width = shape.d_v.div_ceil(LANES) * LANES;
+        let what = "packed bf16 keys and values";
+        let mut keys = try_filled(what, element_count::<u32>(what, &[padded, d_pairs])?, 0)?;
+        let mut values = try_filled(what, element_count::<u32>(what, &[padded / 2, width])?, 0)?;
+        let mut tile_has_nonfinite_values = try_filled(what, tiles, false)?;
+        let mut max_abs_key = 0.0f32;
+        for (j, key) in head(&call.k, b, kv_h).rows().into_iter().enumerate() {
+            let tile = &mut keys[(j / KEY_TILE) * d_pairs * KEY_TILE..][..d_pairs * KEY_TILE];
+            let column = tile[j % KEY_TILE..].iter_mut().step_by(KEY_TILE);
+            let mut dims = key.iter();
+            for pair in column {
+                let low = dims.next().copied().unwrap_or(0.0);
+                let high = dims.next().copied().unwrap_or(0.0);
+                max_abs_key = max_abs_key.max(low.abs()).max(high.abs());
+                *pair = u32::from(bf16_bits(low)) | (u32::from(bf16_bits(high)) << 16);
+            }
+        }
+        for (j, value) in head(&call.v, b, kv_h).rows().into_iter().enumerate() {
+            let (tile, column) = (j / KEY_TILE, j % KEY_TILE);
+            let pairs = &mut values[(tile * KEY_TILE / 2 + column / 2) * width..][..width];
+            let shift = 16 * (column % 2);
+            let mut finite = true;
+            for (pair, &x) in pairs.iter_mut().zip(&value) {
+                finite &= x.is_finite();
+                *pair |= u32::from(bf16_bits(x)) << shift;
+            }
+            if !finite {
+                tile_has_nonfinite_values[tile] = true;
+            }
+        }
+        Ok(Self {
+            dot,
+            keys,
+            d_pairs,
+            values,
+            width,
+            max_abs_key,
+            tile_has_nonfinite_values,
+        })
+    }
+}
+
+impl TileSource for PairedKeys {
+    const PAIRED_QUERIES: bool = true;
+
+    /// The kernels take any number of rows; the query tile still rounds
+    /// its buffers to the kernel set's rows, so this keeps to them.
+    fn computed_rows<K: Kernel>(rows: usize) -> usize {
+        rows.div_ceil(K::ROWS) * K::ROWS
+    }
+
+    fn max_abs_key(&self) -> f32 {
+        self.max_abs_key
+    }
+
+    fn tile_scores<K: Kernel>(&self, _: K, q: &TileQueries<'_>, j0: usize, scores: &mut [f32]) {
+        let rows = scores.len() / KEY_TILE;
+        let tile = &self.keys[j0 * self.d_pairs..][..self.d_pairs * KEY_TILE];
+        let q_pairs = &q.pairs[..rows * self.d_pairs];
+        self.dot
+            .scores(q_pairs, self.d_pairs, tile, q.scale, scores, KEY_TILE);
+    }
+
+    fn tile_values<K: Kernel>(
+        &self,
+        _: K,
+        j0: usize,
+        p: ArrayView2<'_, f32>,
+        alpha: &[f32],
+        o: &mut [f32],
+        width: usize,
+    ) {
+        assert_eq!(width, self.width, "the query tile's rows are padded alike");
+        let p = p.as_slice().expect("a query tile's weights are one block");
+        let tile = &self.values[j0 / 2 * self.width..][..KEY_TILE / 2 * self.width];
+        let skip = self.tile_has_nonfinite_values[j0 / KEY_TILE];
+        self.dot
+            .accumulate_values(p, KEY_TILE, tile, width, alpha, o, skip);
+    }
+}
