@@ -421,7 +421,7 @@ mod tests {
         let Some(dot) = Bf16Dot::new() else {
             return;
         };
-        for (rows, d) in [(1, 2), (5, 6), (6, 64), (13, 34), (7, 1)] {
+        for (rows, d) in [(1, 2usize), (5, 6), (6, 64), (13, 34), (7, 1)] {
             let d_pairs = d.div_ceil(2);
             let q: Vec<u16> = (0..rows * d).map(|i| bits(noise(i))).collect();
             let k: Vec<u16> = (0..PAIR_KEYS * d).map(|i| bits(noise(i + 7777))).collect();

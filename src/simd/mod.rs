@@ -167,6 +167,31 @@ impl FromStr for KernelSet {
     }
 }
 
+/// Whether `bf16` forward calls on kernel set `set` read their inputs as
+/// `bf16` with AVX-512 BF16 (`vdpbf16ps`) rather than converting them to
+/// `f32`: on the AVX-512 set, on a CPU with AVX-512 BF16, with the `half`
+/// feature. Decoding steps (at most 8 query rows a head) convert in any
+/// case.
+///
+/// The weights `P` are then rounded to `bf16` for `P·V` (a relative error
+/// of at most 2⁻⁸ each), which moves an output by at most `2⁻⁸·max|v|`
+/// over its visible keys beyond the `f32` path's error.
+///
+/// ```
+/// use sdpa::simd::{KernelSet, bf16_dot_runs_on};
+/// assert!(!bf16_dot_runs_on(KernelSet::Scalar));
+/// ```
+pub fn bf16_dot_runs_on(set: KernelSet) -> bool {
+    #[cfg(all(target_arch = "x86_64", feature = "half"))]
+    let native = set == KernelSet::Avx512 && Bf16Dot::new().is_some();
+    #[cfg(not(all(target_arch = "x86_64", feature = "half")))]
+    let native = {
+        let _ = set;
+        false
+    };
+    native
+}
+
 /// The kernel sets this CPU can run, slowest first.
 pub fn available_kernel_sets() -> Vec<KernelSet> {
     KernelSet::all()
