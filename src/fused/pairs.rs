@@ -10,8 +10,8 @@
 //! in `tile.rs`) is exact too: the scores are the `f32` sums of exact
 //! products, scaled in `f32`. The one rounding this path adds over the
 //! `f32` path is the weights `P`, rounded to `bf16` per tile for `P·V`:
-//! each by a relative 2⁻⁹ at most, so an output moves by at most
-//! `2⁻⁹·Σ_j p_j·|v_j|/Σ_j p_j ≤ 2⁻⁹·max|v|` beyond the `f32` path's error.
+//! each by a relative 2⁻⁸ at most, so an output moves by at most
+//! `2⁻⁸·Σ_j p_j·|v_j|/Σ_j p_j ≤ 2⁻⁸·max|v|` beyond the `f32` path's error.
 
 use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4};
 

@@ -13,7 +13,7 @@
 //!   to `bf16` a second time).
 //! - `O ← α·O + P·V` ([`Bf16Dot::accumulate_values`]): the `f32` weights
 //!   are rounded to `bf16` per tile (`vcvtne2ps2bf16`, to nearest even: a
-//!   relative error of at most 2⁻⁹ per weight, the one rounding this path
+//!   relative error of at most 2⁻⁸ per weight, the one rounding this path
 //!   adds) and broadcast as pairs along keys; a value tile is
 //!   `[PAIR_KEYS/2][width]` pairs (two keys of one column), so one vector
 //!   holds 16 columns × 2 keys.
@@ -509,7 +509,7 @@ mod tests {
                         (got - rounded).abs() <= sums,
                         "[{r}][{c}]: {got} vs {rounded}"
                     );
-                    // And the weights' rounding: 2⁻⁹ of each product.
+                    // And the weights' rounding: 2⁻⁸ of each product.
                     assert!((got - exact).abs() <= sums + magnitude * 2f64.powi(-9));
                 }
             }
