@@ -18,7 +18,7 @@ use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4};
 use super::KEY_TILE;
 use super::decode;
 use super::forward::{Forward, prefill_with};
-use super::tile::{TileQueries, TileSource, bf16_bits};
+use super::tile::{TileQueries, TileSource, bf16_bits, bf16_pairs};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
@@ -97,11 +97,11 @@ struct PairedKeys {
     dot: Bf16Dot,
     /// Per key tile `[d_pairs][KEY_TILE]`: key `j`'s dims `2p, 2p + 1` at
     /// `[p][j]`.
-    keys: Vec<u32>,
+    keys: spare::Pairs,
     d_pairs: usize,
     /// Per key tile `[KEY_TILE/2][width]`: keys `2i, 2i + 1` of column `c`
     /// at `[i][c]`.
-    values: Vec<u32>,
+    values: spare::Pairs,
     /// `d_v` rounded up to whole vectors, as the query tile's output rows.
     width: usize,
     max_abs_key: f32,
@@ -126,34 +126,53 @@ impl PairedKeys {
         let d_pairs = shape.d_k.div_ceil(2);
         let width = shape.d_v.div_ceil(LANES) * LANES;
         let what = "packed bf16 keys and values";
-        let mut keys = try_filled(what, element_count::<u32>(what, &[padded, d_pairs])?, 0)?;
-        let mut values = try_filled(what, element_count::<u32>(what, &[padded / 2, width])?, 0)?;
+        let mut keys = spare::take(what, element_count::<u32>(what, &[padded, d_pairs])?)?;
+        let mut values = spare::take(what, element_count::<u32>(what, &[padded / 2, width])?)?;
         let mut tile_has_nonfinite_values = try_filled(what, tiles, false)?;
         let mut max_abs_key = 0.0f32;
+        // One key's pairs, then scattered to their column of the tile.
+        let mut key_pairs = try_filled(what, d_pairs, 0u32)?;
+        let mut row = try_filled(what, shape.d_k.max(shape.d_v), 0.0f32)?;
         for (j, key) in head(&call.k, b, kv_h).rows().into_iter().enumerate() {
+            let key = contiguous(key, &mut row);
+            max_abs_key = key.iter().fold(max_abs_key, |max, x| max.max(x.abs()));
+            bf16_pairs(key, &mut key_pairs);
             let tile = &mut keys[(j / KEY_TILE) * d_pairs * KEY_TILE..][..d_pairs * KEY_TILE];
-            let column = tile[j % KEY_TILE..].iter_mut().step_by(KEY_TILE);
-            let mut dims = key.iter();
-            for pair in column {
-                let low = dims.next().copied().unwrap_or(0.0);
-                let high = dims.next().copied().unwrap_or(0.0);
-                max_abs_key = max_abs_key.max(low.abs()).max(high.abs());
-                *pair = u32::from(bf16_bits(low)) | (u32::from(bf16_bits(high)) << 16);
+            for (packed, &pair) in tile[j % KEY_TILE..].iter_mut().step_by(KEY_TILE).zip(&key_pairs) {
+                *packed = pair;
             }
         }
         for (j, value) in head(&call.v, b, kv_h).rows().into_iter().enumerate() {
+            let value = contiguous(value, &mut row);
             let (tile, column) = (j / KEY_TILE, j % KEY_TILE);
             let pairs = &mut values[(tile * KEY_TILE / 2 + column / 2) * width..][..width];
-            let shift = 16 * (column % 2);
-            let mut finite = true;
-            for (pair, &x) in pairs.iter_mut().zip(&value) {
-                finite &= x.is_finite();
-                *pair |= u32::from(bf16_bits(x)) << shift;
+            // Even keys write the low halves (and zero the high ones), odd
+            // keys add the high halves: every entry of a real key pair is
+            // written, whatever the reused buffer held.
+            if column % 2 == 0 {
+                for (pair, &x) in pairs.iter_mut().zip(value) {
+                    *pair = u32::from(bf16_bits(x));
+                }
+                pairs[value.len()..].fill(0);
+            } else {
+                for (pair, &x) in pairs.iter_mut().zip(value) {
+                    *pair |= u32::from(bf16_bits(x)) << 16;
+                }
             }
-            if !finite {
+            // Not `all`: without an early exit the check vectorizes.
+            if !value.iter().fold(true, |finite, x| finite & x.is_finite()) {
                 tile_has_nonfinite_values[tile] = true;
             }
         }
+        // The padding keys: zero (the buffers may be reused).
+        let len_kv = shape.len_kv;
+        if len_kv < padded {
+            let tile = &mut keys[(len_kv / KEY_TILE) * d_pairs * KEY_TILE..];
+            for pairs in tile.chunks_exact_mut(KEY_TILE) {
+                pairs[len_kv % KEY_TILE..].fill(0);
+            }
+        }
+        values[len_kv.div_ceil(2) * width..].fill(0);
         Ok(Self {
             dot,
             keys,
@@ -202,5 +221,83 @@ impl TileSource for PairedKeys {
         let skip = self.tile_has_nonfinite_values[j0 / KEY_TILE];
         self.dot
             .accumulate_values(p, KEY_TILE, tile, width, alpha, o, skip);
+    }
+}
+
+/// `x` as a slice: itself when contiguous, else copied into `row`.
+fn contiguous<'a>(x: ndarray::ArrayView1<'a, f32>, row: &'a mut [f32]) -> &'a [f32] {
+    match x.to_slice() {
+        Some(x) => x,
+        None => {
+            let row = &mut row[..x.len()];
+            row.iter_mut().zip(&x).for_each(|(r, &x)| *r = x);
+            row
+        }
+    }
+}
+
+/// Pair buffers kept by each thread for its next call, as `scratch.rs`
+/// keeps `f32` ones, and for the same reason: a fresh buffer of 128 KiB
+/// or more is `mmap`ed and faulted in page by page on every call (10% of
+/// a causal bf16 forward at N = 1024, measured with perf).
+mod spare {
+    use std::cell::RefCell;
+    use std::ops::{Deref, DerefMut};
+
+    use crate::alloc::try_with_capacity;
+    use crate::error::AttentionError;
+
+    /// The most a thread keeps, in `u32`s (64 MiB).
+    const SPARE: usize = 16 << 20;
+
+    thread_local! {
+        static BUFFERS: RefCell<Vec<Vec<u32>>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// `len` `u32`s of any value (what a reused buffer held, zeros where
+    /// new), given back to the thread's spares when dropped.
+    pub(super) struct Pairs(Vec<u32>);
+
+    pub(super) fn take(what: &str, len: usize) -> Result<Pairs, AttentionError> {
+        let reused = BUFFERS.with_borrow_mut(|spare| {
+            let best = (0..spare.len())
+                .filter(|&i| spare[i].capacity() >= len)
+                .min_by_key(|&i| spare[i].capacity())?;
+            Some(spare.swap_remove(best))
+        });
+        let mut data = match reused {
+            Some(data) => data,
+            None => try_with_capacity(what, len)?,
+        };
+        data.resize(len, 0);
+        Ok(Pairs(data))
+    }
+
+    impl Deref for Pairs {
+        type Target = [u32];
+        fn deref(&self) -> &[u32] {
+            &self.0
+        }
+    }
+
+    impl DerefMut for Pairs {
+        fn deref_mut(&mut self) -> &mut [u32] {
+            &mut self.0
+        }
+    }
+
+    impl Drop for Pairs {
+        fn drop(&mut self) {
+            let data = std::mem::take(&mut self.0);
+            // A thread being torn down, or a full pool, simply frees it.
+            let _ = BUFFERS.try_with(|spare| {
+                if let Ok(mut spare) = spare.try_borrow_mut() {
+                    let kept: usize = spare.iter().map(Vec::capacity).sum();
+                    if kept + data.capacity() <= SPARE {
+                        spare.push(data);
+                    }
+                }
+            });
+        }
     }
 }

@@ -524,21 +524,24 @@ impl QueryTile {
 
 /// `x` rounded to `bf16` bits, to nearest even (NaN stays NaN). Exact for
 /// an `f32` that came from a `bf16`, as a `bf16` call's inputs did.
+#[inline]
 pub(crate) fn bf16_bits(x: f32) -> u16 {
     let bits = x.to_bits();
-    if x.is_nan() {
-        // Quiet, with the sign and top of the payload kept.
-        return ((bits >> 16) | 0x40) as u16;
-    }
-    let round = 0x7fff + ((bits >> 16) & 1);
-    (bits.wrapping_add(round) >> 16) as u16
+    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+    // NaN stays a quiet NaN, with its sign and the top of its payload.
+    let nan = ((bits >> 16) | 0x40) as u16;
+    // A select, not a branch, so loops over it vectorize.
+    if x.is_nan() { nan } else { rounded }
 }
 
 /// `x` in `bf16` pairs: pair `p` holds `x[2p]` in its low half and
 /// `x[2p + 1]` (zero past the end) in its high half.
 pub(crate) fn bf16_pairs(x: &[f32], pairs: &mut [u32]) {
-    for (pair, two) in pairs.iter_mut().zip(x.chunks(2)) {
-        let high = two.get(1).map_or(0, |&x| bf16_bits(x));
-        *pair = u32::from(bf16_bits(two[0])) | (u32::from(high) << 16);
+    let mut two = x.chunks_exact(2);
+    for (pair, two) in pairs.iter_mut().zip(&mut two) {
+        *pair = u32::from(bf16_bits(two[0])) | (u32::from(bf16_bits(two[1])) << 16);
+    }
+    if let [last] = two.remainder() {
+        pairs[x.len() / 2] = u32::from(bf16_bits(*last));
     }
 }
