@@ -116,7 +116,11 @@ fn main() {
     // (type, set, peak): bf16 on a native set against the bf16 peak.
     let columns: Vec<(&str, KernelSet, f64)> = dtypes
         .iter()
-        .flat_map(|t| sets.iter().zip(&peaks).map(move |(&set, &peak)| (t.as_str(), set, peak)))
+        .flat_map(|t| {
+            sets.iter()
+                .zip(&peaks)
+                .map(move |(&set, &peak)| (t.as_str(), set, peak))
+        })
         .map(|(t, set, peak)| match (t, dot_peak) {
             ("bf16", Some(dot)) if bf16_dot_runs_on(set) => (t, set, dot),
             _ => (t, set, peak),
@@ -142,7 +146,11 @@ fn main() {
         });
         let (k, v) = (q.mapv(|x| -x * 0.5), q.mapv(|x| x * 0.25 + 0.1));
         let mut out = Array4::<f32>::zeros((batch, heads, n, d));
-        let (q16, k16, v16) = (q.mapv(bf16::from_f32), k.mapv(bf16::from_f32), v.mapv(bf16::from_f32));
+        let (q16, k16, v16) = (
+            q.mapv(bf16::from_f32),
+            k.mapv(bf16::from_f32),
+            v.mapv(bf16::from_f32),
+        );
         let mut out16 = Array4::<bf16>::zeros((batch, heads, n, d));
         for causal in [false, true] {
             let flops = 4.0 * (batch * heads * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };

@@ -138,7 +138,11 @@ impl PairedKeys {
             max_abs_key = key.iter().fold(max_abs_key, |max, x| max.max(x.abs()));
             bf16_pairs(key, &mut key_pairs);
             let tile = &mut keys[(j / KEY_TILE) * d_pairs * KEY_TILE..][..d_pairs * KEY_TILE];
-            for (packed, &pair) in tile[j % KEY_TILE..].iter_mut().step_by(KEY_TILE).zip(&key_pairs) {
+            for (packed, &pair) in tile[j % KEY_TILE..]
+                .iter_mut()
+                .step_by(KEY_TILE)
+                .zip(&key_pairs)
+            {
                 *packed = pair;
             }
         }

@@ -314,6 +314,8 @@ unsafe fn values_block<const R: usize, const C: usize, const SKIP: bool>(
         })
     });
     let zero = _mm512_setzero_si512();
+    // `jp` indexes the value tile's pointer as well as `weights`.
+    #[allow(clippy::needless_range_loop)]
     for jp in 0..PAIR_KEYS / 2 {
         // SAFETY: key pair jp of the value tile is `width` u32s at jp·width.
         let values: [__m512i; C] = std::array::from_fn(|c| unsafe {

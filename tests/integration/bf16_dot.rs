@@ -44,9 +44,11 @@ fn run(
     v: &Array4<bf16>,
     opts: &AttentionOptions<'_, f32>,
 ) -> Array4<bf16> {
-    with_kernel_set(set, || scaled_dot_product_attention(q.view(), k.view(), v.view(), opts))
-        .expect("the set runs here")
-        .expect("the call runs")
+    with_kernel_set(set, || {
+        scaled_dot_product_attention(q.view(), k.view(), v.view(), opts)
+    })
+    .expect("the set runs here")
+    .expect("the call runs")
 }
 
 /// The largest error against `want` as a fraction of the bound, asserting
@@ -62,7 +64,10 @@ fn check(got: &Array4<bf16>, want: &Array4<f64>, max_v: f64, what: &str) -> f64 
         }
         let bound = w.abs() / 256.0 + absolute;
         let error = (g - w).abs();
-        assert!(error <= bound, "{what} at {index:?}: got {g}, reference {w}, error {error} > {bound}");
+        assert!(
+            error <= bound,
+            "{what} at {index:?}: got {g}, reference {w}, error {error} > {bound}"
+        );
         worst = worst.max(error / bound);
     }
     worst
@@ -219,18 +224,29 @@ fn the_native_path_is_taken_and_differs_from_converting_only_by_the_weights() {
         c.k.mapv(bf16::to_f32),
         c.v.mapv(bf16::to_f32),
     );
-    let f32_path = with_kernel_set(set, || scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts))
-        .expect("the set runs")
-        .expect("the call runs");
+    let f32_path = with_kernel_set(set, || {
+        scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
+    })
+    .expect("the set runs")
+    .expect("the call runs");
     let converted = f32_path.mapv(bf16::from_f32);
     // The first row sees one key: its weight is 1, exact in bf16.
-    assert_eq!(got.slice(s![.., .., 0, ..]), converted.slice(s![.., .., 0, ..]));
+    assert_eq!(
+        got.slice(s![.., .., 0, ..]),
+        converted.slice(s![.., .., 0, ..])
+    );
     let differing = got.iter().zip(&converted).filter(|(a, b)| a != b).count();
-    assert!(differing > 0, "the bf16 weights change some outputs: the native path ran");
+    assert!(
+        differing > 0,
+        "the bf16 weights change some outputs: the native path ran"
+    );
     let max_v = c.max_abs_v();
     for (a, b) in got.iter().zip(&f32_path) {
         let bound = max_v / 256.0 + b.abs() as f64 / 256.0 + 1e-6;
-        assert!((a.to_f64() - f64::from(*b)).abs() <= bound, "{a} against {b}");
+        assert!(
+            (a.to_f64() - f64::from(*b)).abs() <= bound,
+            "{a} against {b}"
+        );
     }
 }
 
@@ -260,13 +276,20 @@ fn nan_in_masked_keys_and_values_never_reaches_the_output() {
                 let hidden = case != 3 && (0..len_q).all(|i| !c.store.keep[[b, 0, i, j]]);
                 if past_length || hidden {
                     k.slice_mut(s![b, .., j, ..]).fill(bf16::NAN);
-                    v.slice_mut(s![b, .., j, ..]).fill(if j % 2 == 0 { bf16::NAN } else { bf16::INFINITY });
+                    v.slice_mut(s![b, .., j, ..]).fill(if j % 2 == 0 {
+                        bf16::NAN
+                    } else {
+                        bf16::INFINITY
+                    });
                 }
             }
         }
         let dirty = run(set, &c.q, &k, &v, &opts);
         assert!(
-            dirty.iter().zip(&clean).all(|(a, b)| a.to_bits() == b.to_bits()),
+            dirty
+                .iter()
+                .zip(&clean)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
             "case {case}: masked NaN changed the output"
         );
         assert!(dirty.iter().all(|x| x.is_finite()), "case {case}");
@@ -289,9 +312,15 @@ fn nan_in_keys_a_row_masks_but_its_tile_holds() {
     let clean = run(set, &c.q, &c.k, &c.v, &opts);
     let dirty = run(set, &c.q, &k, &v, &opts);
     for i in 0..200 {
-        let (a, b) = (dirty.slice(s![.., .., i, ..]), clean.slice(s![.., .., i, ..]));
+        let (a, b) = (
+            dirty.slice(s![.., .., i, ..]),
+            clean.slice(s![.., .., i, ..]),
+        );
         if i < 150 {
-            assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "row {i}");
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "row {i}"
+            );
         } else {
             assert!(a.iter().all(|x| x.is_nan()), "row {i} sees the NaN key");
         }
@@ -310,11 +339,25 @@ fn rows_that_see_no_key_are_zero() {
     let lengths = [90, 0, 90];
     let mut keep = Array4::from_elem([3, 1, 70, 90], true);
     keep.slice_mut(s![2, .., 10..20, ..]).fill(false);
-    let opts = AttentionOptions::new().key_lengths(&lengths).keep_mask(keep.view());
+    let opts = AttentionOptions::new()
+        .key_lengths(&lengths)
+        .keep_mask(keep.view());
     let out = run(set, &c.q, &c.k, &c.v, &opts);
-    assert!(out.slice(s![1, .., .., ..]).iter().all(|x| x.to_bits() == 0));
-    assert!(out.slice(s![2, .., 10..20, ..]).iter().all(|x| x.to_bits() == 0));
-    assert!(out.slice(s![0, .., .., ..]).iter().any(|x| x.to_f64() != 0.0));
+    assert!(
+        out.slice(s![1, .., .., ..])
+            .iter()
+            .all(|x| x.to_bits() == 0)
+    );
+    assert!(
+        out.slice(s![2, .., 10..20, ..])
+            .iter()
+            .all(|x| x.to_bits() == 0)
+    );
+    assert!(
+        out.slice(s![0, .., .., ..])
+            .iter()
+            .any(|x| x.to_f64() != 0.0)
+    );
 }
 
 fn with_threads<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
@@ -341,7 +384,9 @@ fn one_and_two_threads_give_the_same_bits() {
             let one = with_threads(1, call);
             let two = with_threads(2, call);
             assert!(
-                one.iter().zip(&two).all(|(a, b)| a.to_bits() == b.to_bits()),
+                one.iter()
+                    .zip(&two)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "{shape:?} case {case}"
             );
         }

@@ -282,7 +282,12 @@ impl<H: Half> Case<H> {
     /// values, by at most 2⁻⁸·max|v|).
     fn error_on(&self, set: KernelSet) -> f64 {
         let native = H::NATIVE_DOT && sdpa::simd::bf16_dot_runs_on(set);
-        self.f32_error() + if native { self.max_abs_v() / 256.0 } else { 0.0 }
+        self.f32_error()
+            + if native {
+                self.max_abs_v() / 256.0
+            } else {
+                0.0
+            }
     }
 }
 
