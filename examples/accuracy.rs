@@ -172,7 +172,11 @@ fn bf16_call(
     } else {
         AttentionOptions::new()
     };
-    let (q, k, v) = (q.mapv(bf16::from_f64), k.mapv(bf16::from_f64), v.mapv(bf16::from_f64));
+    let (q, k, v) = (
+        q.mapv(bf16::from_f64),
+        k.mapv(bf16::from_f64),
+        v.mapv(bf16::from_f64),
+    );
     let out = sdpa::simd::with_kernel_set(set, || {
         sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
     })??;
