@@ -205,9 +205,11 @@ pub(crate) struct TileQueries<'q> {
     /// Unscaled `q` rounded to `bf16` pairs along `d_k`, `[computed
     /// rows][⌈d_k/2⌉]`, filled only for a source with
     /// [`TileSource::PAIRED_QUERIES`].
+    #[cfg_attr(not(feature = "half"), allow(dead_code))]
     pub(crate) pairs: &'q [u32],
     pub(crate) d_k: usize,
     /// The call's scale, for a source that applies it to the scores.
+    #[cfg_attr(not(feature = "half"), allow(dead_code))]
     pub(crate) scale: f32,
 }
 
