@@ -5,7 +5,15 @@
 //!
 //! ```text
 //! cargo run --release --example accuracy
+//! DTYPE=bf16 cargo run --release --example accuracy
 //! ```
+//!
+//! With `DTYPE=bf16` (feature `half`), the inputs are rounded to `bf16` and
+//! the reference is `sdpa::core` in `f64` on those rounded inputs; the
+//! output is `bf16`, as torch's is (`scripts/bf16_accuracy.py` prints
+//! torch's bf16 SDPA the same way). On a set where `bf16` runs natively
+//! (AVX-512 with AVX-512 BF16) this is the `vdpbf16ps` path, its weights
+//! rounded to `bf16` for `P·V`.
 
 use ndarray::{Array4, Zip};
 use sdpa::AttentionOptions;
@@ -35,8 +43,24 @@ impl Normal {
 
 fn main() -> Result<(), sdpa::AttentionError> {
     let mut normal = Normal(0);
+    let bf16_inputs = std::env::var("DTYPE").is_ok_and(|t| t.eq_ignore_ascii_case("bf16"));
+    assert!(
+        !bf16_inputs || cfg!(feature = "half"),
+        "DTYPE=bf16 needs the half feature"
+    );
     for set in available_kernel_sets() {
-        println!("sdpa f32 fused path, kernel set {set}, against sdpa::core in f64");
+        if bf16_inputs {
+            let how = if sdpa::simd::bf16_dot_runs_on(set) {
+                "native vdpbf16ps"
+            } else {
+                "converted to f32"
+            };
+            println!(
+                "sdpa bf16 ({how}), kernel set {set}, against sdpa::core in f64 on the same bf16 inputs"
+            );
+        } else {
+            println!("sdpa f32 fused path, kernel set {set}, against sdpa::core in f64");
+        }
         println!(
             "{:>5} {:>4} {:>6} {:>6} {:>10} {:>10}",
             "N", "d", "sigma", "causal", "max_rel", "norm_rel"
@@ -50,6 +74,15 @@ fn main() -> Result<(), sdpa::AttentionError> {
                         normal.array(dim, sigma),
                         normal.array(dim, sigma),
                     );
+                    // bf16 inputs: the reference runs on the rounded numbers.
+                    let round = |x: Array4<f64>| {
+                        if bf16_inputs {
+                            x.mapv(round_to_bf16)
+                        } else {
+                            x
+                        }
+                    };
+                    let (q, k, v) = (round(q), round(k), round(v));
                     let opts = if causal {
                         AttentionOptions::new().causal()
                     } else {
@@ -61,6 +94,11 @@ fn main() -> Result<(), sdpa::AttentionError> {
                         v.view(),
                         &opts,
                     )?;
+                    if bf16_inputs {
+                        let fast = bf16_call(set, causal, &q, &k, &v)?;
+                        print_errors(n, d, sigma, causal, &fast, &reference);
+                        continue;
+                    }
                     let to_f32 = |x: &Array4<f64>| x.mapv(|x| x as f32);
                     let fast_opts = if causal {
                         AttentionOptions::new().causal()
@@ -75,23 +113,83 @@ fn main() -> Result<(), sdpa::AttentionError> {
                             &fast_opts,
                         )
                     })??;
-                    let (mut max_err, mut max_ref, mut err2, mut ref2) = (0f64, 0f64, 0f64, 0f64);
-                    Zip::from(&fast).and(&reference).for_each(|&f, &r| {
-                        let e = f as f64 - r;
-                        max_err = max_err.max(e.abs());
-                        max_ref = max_ref.max(r.abs());
-                        err2 += e * e;
-                        ref2 += r * r;
-                    });
-                    println!(
-                        "{n:>5} {d:>4} {sigma:>6.1} {:>6} {:>10.2e} {:>10.2e}",
-                        if causal { "True" } else { "False" },
-                        max_err / max_ref,
-                        (err2 / ref2).sqrt()
-                    );
+                    print_errors(n, d, sigma, causal, &fast.mapv(f64::from), &reference);
                 }
             }
         }
     }
     Ok(())
+}
+
+/// One line: `max |err| / max |ref|` and `‖err‖ / ‖ref‖`.
+fn print_errors(
+    n: usize,
+    d: usize,
+    sigma: f64,
+    causal: bool,
+    fast: &Array4<f64>,
+    reference: &Array4<f64>,
+) {
+    let (mut max_err, mut max_ref, mut err2, mut ref2) = (0f64, 0f64, 0f64, 0f64);
+    Zip::from(fast).and(reference).for_each(|&f, &r| {
+        let e = f - r;
+        max_err = max_err.max(e.abs());
+        max_ref = max_ref.max(r.abs());
+        err2 += e * e;
+        ref2 += r * r;
+    });
+    println!(
+        "{n:>5} {d:>4} {sigma:>6.1} {:>6} {:>10.2e} {:>10.2e}",
+        if causal { "True" } else { "False" },
+        max_err / max_ref,
+        (err2 / ref2).sqrt()
+    );
+}
+
+/// `x` rounded to the nearest `bf16`.
+#[cfg(feature = "half")]
+fn round_to_bf16(x: f64) -> f64 {
+    half::bf16::from_f64(x).to_f64()
+}
+
+#[cfg(not(feature = "half"))]
+fn round_to_bf16(_: f64) -> f64 {
+    unreachable!("DTYPE=bf16 is refused without the half feature")
+}
+
+/// The `bf16` call on `q`, `k`, `v` (already `bf16` numbers), widened.
+#[cfg(feature = "half")]
+fn bf16_call(
+    set: sdpa::simd::KernelSet,
+    causal: bool,
+    q: &Array4<f64>,
+    k: &Array4<f64>,
+    v: &Array4<f64>,
+) -> Result<Array4<f64>, sdpa::AttentionError> {
+    use half::bf16;
+    let opts = if causal {
+        AttentionOptions::new().causal()
+    } else {
+        AttentionOptions::new()
+    };
+    let (q, k, v) = (
+        q.mapv(bf16::from_f64),
+        k.mapv(bf16::from_f64),
+        v.mapv(bf16::from_f64),
+    );
+    let out = sdpa::simd::with_kernel_set(set, || {
+        sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
+    })??;
+    Ok(out.mapv(bf16::to_f64))
+}
+
+#[cfg(not(feature = "half"))]
+fn bf16_call(
+    _: sdpa::simd::KernelSet,
+    _: bool,
+    _: &Array4<f64>,
+    _: &Array4<f64>,
+    _: &Array4<f64>,
+) -> Result<Array4<f64>, sdpa::AttentionError> {
+    unreachable!("DTYPE=bf16 is refused without the half feature")
 }

@@ -8,8 +8,11 @@
 //! ```
 //!
 //! The read covers 512 MiB unless given, far past any last-level cache.
+//! On a CPU with AVX-512 BF16 it also prints the `vdpbf16ps` peak (32
+//! multiply-adds of `bf16` pairs into `f32` per instruction), the ceiling
+//! of a `bf16` forward.
 
-use sdpa::simd::{available_kernel_sets, fma_peak, read_rate};
+use sdpa::simd::{available_kernel_sets, bf16_dot_peak, fma_peak, read_rate};
 
 #[path = "support/machine.rs"]
 mod machine;
@@ -29,6 +32,10 @@ fn main() -> Result<(), sdpa::AttentionError> {
         let peak = fma_peak(set)?;
         let read = read_rate(set, &data, 5)?;
         println!("{:>8} {peak:>18.1} {read:>22.1}", set.name());
+    }
+    match bf16_dot_peak() {
+        Ok(peak) => println!("vdpbf16ps (AVX-512 BF16) peak: {peak:.1} GFLOP/s (one thread)"),
+        Err(error) => println!("no bf16 dot-product peak: {error}"),
     }
     Ok(())
 }

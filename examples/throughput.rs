@@ -4,7 +4,16 @@
 //! ```text
 //! cargo run --release --example throughput -- [--backward] [N ...]
 //! H=8 D=64 B=1 cargo run --release --example throughput -- 256 1024 4096
+//! DTYPE=f32,bf16 RAYON_NUM_THREADS=1 cargo run --release --example throughput
 //! ```
+//!
+//! `DTYPE` is the input type, `f32` (the default), `bf16`, or a list
+//! (`f32,bf16`): one column per type and kernel set, all in one run, so
+//! their ratios share the machine's state. A `bf16` column on a set where
+//! `bf16` runs natively ([`sdpa::simd::bf16_dot_runs_on`]: AVX-512 with
+//! AVX-512 BF16) reads as a fraction of the `vdpbf16ps` peak
+//! ([`sdpa::simd::bf16_dot_peak`]), else of the FMA peak (the inputs are
+//! converted to `f32`). The forward only (no `--backward`) for `bf16`.
 //!
 //! FLOPs counted: `4·B·H·N²·d`, half of that for causal. With `--backward`,
 //! forward (with its log-sum-exp) plus backward, counted as 3.5 times the
@@ -19,9 +28,10 @@
 
 use std::time::{Duration, Instant};
 
+use half::bf16;
 use ndarray::Array4;
 use sdpa::AttentionOptions;
-use sdpa::simd::{KernelSet, available_kernel_sets, fma_peak};
+use sdpa::simd::{KernelSet, available_kernel_sets, bf16_dot_peak, bf16_dot_runs_on, fma_peak};
 
 #[path = "support/machine.rs"]
 mod machine;
@@ -79,6 +89,19 @@ fn main() {
         .filter(|&t| t > 0)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
     println!("{}", machine::cpu_model());
+    let dtypes: Vec<String> = std::env::var("DTYPE")
+        .unwrap_or_else(|_| "f32".into())
+        .split(',')
+        .map(|t| t.trim().to_lowercase())
+        .collect();
+    assert!(
+        dtypes.iter().all(|t| t == "f32" || t == "bf16"),
+        "DTYPE takes f32, bf16 or a list of them"
+    );
+    assert!(
+        !backward || dtypes.iter().all(|t| t == "f32"),
+        "--backward is measured for f32 only"
+    );
     let peaks: Vec<f64> = sets
         .iter()
         .map(|&set| fma_peak(set).expect("an available kernel set"))
@@ -86,12 +109,35 @@ fn main() {
     for (set, peak) in sets.iter().zip(&peaks) {
         println!("{set}: FMA peak {peak:.1} GFLOP/s per thread (measured now)");
     }
+    let dot_peak = bf16_dot_peak().ok();
+    if let Some(peak) = dot_peak {
+        println!("vdpbf16ps (AVX-512 BF16) peak {peak:.1} GFLOP/s per thread (measured now)");
+    }
+    // (type, set, peak): bf16 on a native set against the bf16 peak.
+    let columns: Vec<(&str, KernelSet, f64)> = dtypes
+        .iter()
+        .flat_map(|t| {
+            sets.iter()
+                .zip(&peaks)
+                .map(move |(&set, &peak)| (t.as_str(), set, peak))
+        })
+        .map(|(t, set, peak)| match (t, dot_peak) {
+            ("bf16", Some(dot)) if bf16_dot_runs_on(set) => (t, set, dot),
+            _ => (t, set, peak),
+        })
+        .collect();
     println!(
-        "sdpa {what} B={batch} H={heads} d={d} f32, {threads} thread(s); GFLOP/s (median, % of peak)"
+        "sdpa {what} B={batch} H={heads} d={d} {}, {threads} thread(s); GFLOP/s (median, % of peak)",
+        dtypes.join(",")
     );
     print!("{:>6} {:>6}", "N", "causal");
-    for set in &sets {
-        print!(" {:>18}", format!("sdpa_{set}"));
+    for (t, set, _) in &columns {
+        let name = if *t == "f32" {
+            format!("sdpa_{set}")
+        } else {
+            format!("sdpa_{set}_{t}")
+        };
+        print!(" {name:>18}");
     }
     println!();
     for &n in &sizes {
@@ -100,14 +146,31 @@ fn main() {
         });
         let (k, v) = (q.mapv(|x| -x * 0.5), q.mapv(|x| x * 0.25 + 0.1));
         let mut out = Array4::<f32>::zeros((batch, heads, n, d));
+        let (q16, k16, v16) = (
+            q.mapv(bf16::from_f32),
+            k.mapv(bf16::from_f32),
+            v.mapv(bf16::from_f32),
+        );
+        let mut out16 = Array4::<bf16>::zeros((batch, heads, n, d));
         for causal in [false, true] {
             let flops = 4.0 * (batch * heads * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };
             let flops = if backward { 3.5 * flops } else { flops };
             print!("{n:>6} {:>6}", if causal { "yes" } else { "no" });
-            for (&set, peak) in sets.iter().zip(&peaks) {
+            for &(dtype, set, peak) in &columns {
                 let opts = AttentionOptions::new();
                 let opts = if causal { opts.causal() } else { opts };
-                let seconds = if backward {
+                let seconds = if dtype == "bf16" {
+                    median_seconds_on(set, || {
+                        sdpa::scaled_dot_product_attention_into(
+                            q16.view(),
+                            k16.view(),
+                            v16.view(),
+                            &opts,
+                            out16.view_mut(),
+                        )
+                        .expect("valid shapes");
+                    })
+                } else if backward {
                     median_seconds_on(set, || {
                         let forward = sdpa::scaled_dot_product_attention_partial(
                             q.view(),

@@ -115,6 +115,17 @@ pub(crate) mod sealed {
         where
             Self: Storage;
 
+        /// The forward of `call`, whose inputs are this type's converted to
+        /// the compute type: the compute type's path, or one that reads
+        /// them as this type (`bf16` on AVX-512 BF16).
+        fn forward_converted(
+            call: &Call<'_, <Self as Storage>::Compute>,
+            out: ArrayViewMut4<'_, <Self as Storage>::Compute>,
+            log_sum_exp: Option<ArrayViewMut3<'_, <Self as Storage>::Compute>>,
+        ) -> Result<(), AttentionError>
+        where
+            Self: Storage;
+
         /// `x` in the reference type.
         fn to_reference<'a, D: Dimension>(
             x: ArrayView<'a, Self, D>,
@@ -186,6 +197,14 @@ pub(crate) mod sealed {
                     f(out)
                 }
 
+                fn forward_converted(
+                    call: &Call<'_, $t>,
+                    out: ArrayViewMut4<'_, $t>,
+                    log_sum_exp: Option<ArrayViewMut3<'_, $t>>,
+                ) -> Result<(), AttentionError> {
+                    <$t as Sealed>::forward(call, out, log_sum_exp)
+                }
+
                 fn to_reference<'a, D: Dimension>(
                     x: ArrayView<'a, $t, D>,
                 ) -> Result<CowArray<'a, $t, D>, AttentionError> {
@@ -233,7 +252,7 @@ pub(crate) mod sealed {
     /// path, to `f64` for the reference, each a single rounding back.
     #[cfg(feature = "half")]
     macro_rules! half_convert {
-        ($t:ty, by_slice: $by_slice:literal) => {
+        ($t:ty, by_slice: $by_slice:literal, forward: $forward:path) => {
             impl Convert for $t {
                 fn to_compute<'a, D: Dimension>(
                     x: ArrayView<'a, $t, D>,
@@ -269,6 +288,14 @@ pub(crate) mod sealed {
                         <$t>::from_f32,
                     );
                     Ok(result)
+                }
+
+                fn forward_converted(
+                    call: &Call<'_, f32>,
+                    out: ArrayViewMut4<'_, f32>,
+                    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
+                ) -> Result<(), AttentionError> {
+                    $forward(call, out, log_sum_exp)
                 }
 
                 fn to_reference<'a, D: Dimension>(
@@ -324,9 +351,11 @@ pub(crate) mod sealed {
     // bf16 ↔ f32 is a shift that a plain loop vectorizes; f16's slice
     // conversion uses F16C where the CPU has it (measured with callgrind:
     // per element, f16 costs 16% more instructions than by slice).
-    half_convert!(half::bf16, by_slice: false);
+    // bf16's forward reads the inputs as bf16 pairs where the CPU has AVX-512
+    // BF16 (`fused::forward_bf16`); f16's runs the f32 path.
+    half_convert!(half::bf16, by_slice: false, forward: crate::fused::forward_bf16);
     #[cfg(feature = "half")]
-    half_convert!(half::f16, by_slice: true);
+    half_convert!(half::f16, by_slice: true, forward: crate::fused::forward);
 
     /// `x` converted element by element into a new standard-layout array.
     /// Filled by `extend` rather than zeroed and overwritten: a contiguous

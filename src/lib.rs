@@ -101,20 +101,11 @@ pub fn scaled_dot_product_attention<F: Storage>(
     opts: &AttentionOptions<'_, F::Compute>,
 ) -> Result<Array4<F>, AttentionError> {
     let (q, k, v) = (F::to_compute(q)?, F::to_compute(k)?, F::to_compute(v)?);
-    F::from_compute(attention(q.view(), k.view(), v.view(), opts)?)
-}
-
-/// [`scaled_dot_product_attention`] in a type that computes in itself.
-fn attention<F: Element>(
-    q: ArrayView4<'_, F>,
-    k: ArrayView4<'_, F>,
-    v: ArrayView4<'_, F>,
-    opts: &AttentionOptions<'_, F>,
-) -> Result<Array4<F>, AttentionError> {
+    let (q, k, v) = (q.view(), k.view(), v.view());
     let call = call::check(&q, &k, &v, opts)?;
     let mut out = alloc::try_zeros("the output", call.shape.output_dim())?;
-    F::forward(&call, out.view_mut(), None)?;
-    Ok(out)
+    F::forward_converted(&call, out.view_mut(), None)?;
+    F::from_compute(out)
 }
 
 /// [`scaled_dot_product_attention`] writing into a caller's buffer `out`
@@ -147,7 +138,7 @@ pub fn scaled_dot_product_attention_into<F: Storage>(
     let (q, k, v) = (q.view(), k.view(), v.view());
     let call = call::check(&q, &k, &v, opts)?;
     call::check_output(&call.shape, out.shape())?;
-    F::write_compute(out, |out| F::Compute::forward(&call, out, None))
+    F::write_compute(out, |out| F::forward_converted(&call, out, None))
 }
 
 /// Attention over the keys and values given, as a mergeable
@@ -192,7 +183,7 @@ pub fn scaled_dot_product_attention_partial<F: Storage>(
     let call = call::check(&q, &k, &v, opts)?;
     let mut partial = AttentionPartial::<F::Compute>::zeros(call.shape.output_dim())?;
     let (output, log_sum_exp) = partial.parts_mut();
-    F::Compute::forward(&call, output, Some(log_sum_exp))?;
+    F::forward_converted(&call, output, Some(log_sum_exp))?;
     let (output, log_sum_exp) = partial.into_parts();
     AttentionPartial::from_parts(F::from_compute(output)?, log_sum_exp)
 }

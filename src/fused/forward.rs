@@ -9,7 +9,7 @@ use ndarray::{
 
 use super::decode;
 use super::pack::PackedHead;
-use super::tile::{KeySource, QueryTile, TilePosition};
+use super::tile::{KeySource, QueryTile, TilePosition, TileSource};
 use super::{KEY_TILE, forward_query_tile};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
@@ -58,6 +58,33 @@ fn prefill<K: Kernel>(
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     let shape = call.shape;
+    prefill_with(kernel, call, out, log_sum_exp, |b, kv_h| {
+        // Fresh per job: reusing one per rayon piece (as the backward
+        // does) measured 3–4% slower at N = 256, one thread.
+        let mut packed = PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v)?;
+        packed.pack::<K>(head(&call.k, b, kv_h), head(&call.v, b, kv_h));
+        Ok(PackedKeys {
+            packed,
+            d_k: shape.d_k,
+        })
+    })
+}
+
+/// [`prefill`] with the keys and values of each `(batch, kv_head)` packed
+/// by `pack` into a [`TileSource`] of any layout (the `f32` panels above,
+/// or `bf16` pairs in `pairs.rs`): the jobs, tiles, threads, masks and
+/// softmax are this one driver's for every layout.
+///
+/// # Errors
+/// When `pack` or a tile buffer fails.
+pub(super) fn prefill_with<K: Kernel, S: TileSource + Sync>(
+    kernel: K,
+    call: &Call<'_, f32>,
+    out: ArrayViewMut4<'_, f32>,
+    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
+    pack: impl Fn(usize, usize) -> Result<S, AttentionError> + Sync,
+) -> Result<(), AttentionError> {
+    let shape = call.shape;
     let mut heads = heads_of(out)
         .into_iter()
         .zip(match log_sum_exp {
@@ -84,10 +111,7 @@ fn prefill<K: Kernel>(
         jobs,
         || (),
         |_, (b, kv_h, job_heads)| {
-            // Fresh per job: reusing one per rayon piece (as the backward
-            // does) measured 3–4% slower at N = 256, one thread.
-            let mut packed = PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v)?;
-            packed.pack::<K>(head(&call.k, b, kv_h), head(&call.v, b, kv_h));
+            let source = pack(b, kv_h)?;
             let mut tiles = Vec::new();
             for (h, (out_head, lse_head)) in job_heads {
                 let out_tiles = split_into_chunks(out_head, Axis(0), query_tile);
@@ -104,13 +128,9 @@ fn prefill<K: Kernel>(
                     tiles.push((at, out_tile, lse_tile));
                 }
             }
-            let source = PackedKeys {
-                packed: &packed,
-                d_k: shape.d_k,
-            };
             map_with(
                 tiles,
-                || QueryTile::new::<K>(&shape, query_tile),
+                || QueryTile::with_pairs::<K>(&shape, query_tile, S::PAIRED_QUERIES),
                 |tile, (at, mut out_tile, lse_tile)| {
                     let tile = tile.as_mut().map_err(|error| error.clone())?;
                     tile.attend(kernel, call, &at, &source, keys.clone());
@@ -127,12 +147,12 @@ fn prefill<K: Kernel>(
 }
 
 /// One head's keys and values packed for the register-tiled kernels.
-struct PackedKeys<'p> {
-    packed: &'p PackedHead,
+struct PackedKeys {
+    packed: PackedHead,
     d_k: usize,
 }
 
-impl KeySource for PackedKeys<'_> {
+impl KeySource for PackedKeys {
     /// The register-tiled Q·Kᵀ kernel needs whole register tiles of rows
     /// (padding rows are computed and dropped).
     fn computed_rows<K: Kernel>(rows: usize) -> usize {

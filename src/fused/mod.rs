@@ -29,6 +29,8 @@
 //! - `tile.rs`: one query tile's online softmax, shared by both drivers,
 //!   and the per-tile bias and mask the backward uses too;
 //! - `pack.rs`: the packed layouts the kernels read;
+//! - `pairs.rs`: a `bf16` call's keys and values packed as `bf16` pairs for
+//!   AVX-512 BF16, a key source for the same prefill driver;
 //! - `scratch.rs`: aligned working buffers, kept per thread across calls;
 //! - `backward.rs`: the gradients, on the same kernels.
 
@@ -36,6 +38,8 @@ mod backward;
 mod decode;
 mod forward;
 mod pack;
+#[cfg(feature = "half")]
+mod pairs;
 mod scratch;
 mod tile;
 
@@ -97,6 +101,35 @@ pub(crate) fn forward(
         log_sum_exp,
     };
     simd::with_kernel(simd::current_kernel_set()?, job)?
+}
+
+/// Attention on the fused path for a `bf16` call, whose inputs `call`
+/// holds converted (exactly) to `f32`: on a CPU with AVX-512 BF16 and the
+/// AVX-512 kernel set chosen (by the CPU, `SDPA_KERNEL` or
+/// [`simd::with_kernel_set`]), the prefill reads them as `bf16` pairs
+/// with `vdpbf16ps` (`pairs.rs`); else, and for decoding steps, it is
+/// [`forward`].
+///
+/// # Errors
+/// As [`forward`].
+#[cfg(feature = "half")]
+pub(crate) fn forward_bf16(
+    call: &Call<'_, f32>,
+    out: ArrayViewMut4<'_, f32>,
+    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
+) -> Result<(), AttentionError> {
+    let set = simd::current_kernel_set()?;
+    let forward = forward::Forward {
+        call,
+        out,
+        log_sum_exp,
+    };
+    match simd::Bf16Dot::new() {
+        Some(dot) if set == simd::KernelSet::Avx512 => {
+            simd::with_kernel(set, pairs::Bf16Forward { forward, dot })?
+        }
+        _ => simd::with_kernel(set, forward)?,
+    }
 }
 
 /// The backward pass on the fused path, into `gradients`.

@@ -10,6 +10,7 @@ use ndarray::{ArrayView2, ArrayViewMut1, ArrayViewMut2, s};
 
 use super::KEY_TILE;
 use super::scratch::Scratch;
+use crate::alloc::{element_count, try_filled};
 use crate::call::{AttentionShape, Call};
 use crate::error::AttentionError;
 use crate::mask::{biased, broadcast};
@@ -196,10 +197,105 @@ pub(crate) trait KeySource {
     fn values(&self, j0: usize, p: ArrayView2<'_, f32>) -> (ArrayView2<'_, f32>, bool);
 }
 
+/// A query tile's queries as the score kernels take them.
+pub(crate) struct TileQueries<'q> {
+    /// `scale·q`, `[computed rows][d_k]` (unscaled `q` when the source
+    /// takes [`pairs`](Self::pairs) instead).
+    pub(crate) rows: &'q [f32],
+    /// Unscaled `q` rounded to `bf16` pairs along `d_k`, `[computed
+    /// rows][⌈d_k/2⌉]`, filled only for a source with
+    /// [`TileSource::PAIRED_QUERIES`].
+    #[cfg_attr(not(feature = "half"), allow(dead_code))]
+    pub(crate) pairs: &'q [u32],
+    pub(crate) d_k: usize,
+    /// The call's scale, for a source that applies it to the scores.
+    #[cfg_attr(not(feature = "half"), allow(dead_code))]
+    pub(crate) scale: f32,
+}
+
+/// What [`QueryTile::attend`] runs a query tile against: the two products
+/// of each key tile, on whatever layout the source keeps. Every
+/// [`KeySource`] (`f32` keys and values, packed or in place) is one; the
+/// `bf16` source of `pairs.rs` implements it directly, with its own
+/// kernels for both products. Masks, modifiers and the softmax stay in
+/// `attend`, shared by all.
+pub(crate) trait TileSource {
+    /// Whether the scores read [`TileQueries::pairs`], unscaled `q` in
+    /// `bf16` pairs, and apply the scale to the `f32` scores themselves;
+    /// else they read the scaled rows.
+    const PAIRED_QUERIES: bool = false;
+
+    /// Rows the scores kernel computes for a tile of `rows` real rows.
+    fn computed_rows<K: Kernel>(rows: usize) -> usize;
+
+    /// The largest `|k|` of the source's keys (NaN ignored), or `+inf` when
+    /// not known.
+    fn max_abs_key(&self) -> f32;
+
+    /// `S = scale·q·K_tᵀ` for the key tile starting at `j0`, into `scores`
+    /// (row stride `KEY_TILE`, the computed rows).
+    fn tile_scores<K: Kernel>(&self, kernel: K, q: &TileQueries<'_>, j0: usize, scores: &mut [f32]);
+
+    /// `o ← alpha·o + p·V_t` for the key tile starting at `j0`, with `p`
+    /// its weights (the computed rows) and `o` rows of `width`. A zero
+    /// weight contributes exactly nothing, never `0·NaN`.
+    fn tile_values<K: Kernel>(
+        &self,
+        kernel: K,
+        j0: usize,
+        p: ArrayView2<'_, f32>,
+        alpha: &[f32],
+        o: &mut [f32],
+        width: usize,
+    );
+}
+
+impl<S: KeySource> TileSource for S {
+    fn computed_rows<K: Kernel>(rows: usize) -> usize {
+        S::computed_rows::<K>(rows)
+    }
+
+    fn max_abs_key(&self) -> f32 {
+        KeySource::max_abs_key(self)
+    }
+
+    fn tile_scores<K: Kernel>(
+        &self,
+        kernel: K,
+        q: &TileQueries<'_>,
+        j0: usize,
+        scores: &mut [f32],
+    ) {
+        self.scores(kernel, q.rows, q.d_k, j0, scores);
+    }
+
+    fn tile_values<K: Kernel>(
+        &self,
+        kernel: K,
+        j0: usize,
+        p: ArrayView2<'_, f32>,
+        alpha: &[f32],
+        o: &mut [f32],
+        width: usize,
+    ) {
+        let (values, nonfinite) = self.values(j0, p);
+        let zero_weights = if nonfinite {
+            ZeroWeights::Skip
+        } else {
+            ZeroWeights::Multiply
+        };
+        kernel.accumulate_values(p, values, width, alpha, o, zero_weights);
+    }
+}
+
 /// The buffers of one query tile, reused from tile to tile.
 pub(crate) struct QueryTile {
-    /// Scaled query rows `[computed rows][d_k]`.
+    /// Scaled query rows `[computed rows][d_k]` (unscaled for a source
+    /// with paired queries).
     q: Scratch,
+    /// The unscaled query rows in `bf16` pairs, `[computed rows][⌈d_k/2⌉]`,
+    /// for a source with paired queries; else empty.
+    q_pairs: Vec<u32>,
     /// Scores, then weights, `[computed rows][KEY_TILE]`.
     scores: Scratch,
     /// Unnormalised output `[computed rows][value_width]`.
@@ -222,7 +318,27 @@ impl QueryTile {
         shape: &AttentionShape,
         rows: usize,
     ) -> Result<Self, AttentionError> {
+        Self::with_pairs::<K>(shape, rows, false)
+    }
+
+    /// Buffers for tiles of up to `rows` query rows, with room for the
+    /// queries in `bf16` pairs when `paired` (for a source with
+    /// [`TileSource::PAIRED_QUERIES`]).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub(crate) fn with_pairs<K: Kernel>(
+        shape: &AttentionShape,
+        rows: usize,
+        paired: bool,
+    ) -> Result<Self, AttentionError> {
         let rows = rows.div_ceil(K::ROWS) * K::ROWS;
+        let q_pairs = if paired {
+            let len = element_count::<u32>("a query tile", &[rows, shape.d_k.div_ceil(2)])?;
+            try_filled("a query tile", len, 0)?
+        } else {
+            Vec::new()
+        };
         let value_width = shape.d_v.div_ceil(K::LANES) * K::LANES;
         // Every buffer is written before it is read: `attend` loads the
         // queries (zeroing padding rows) and fills `o`, `max` and `sum`;
@@ -231,6 +347,7 @@ impl QueryTile {
             |len: Option<usize>| Scratch::for_writing("a query tile", len.unwrap_or(usize::MAX));
         Ok(Self {
             q: buffer(rows.checked_mul(shape.d_k))?,
+            q_pairs,
             scores: buffer(Some(rows * KEY_TILE))?,
             o: buffer(rows.checked_mul(value_width))?,
             max: buffer(Some(rows))?,
@@ -244,7 +361,7 @@ impl QueryTile {
     /// Runs the query tile `at` over every key tile in `keys` (whole tiles
     /// but at `len_kv`) it can see, leaving the unnormalised output in `o`,
     /// the row maxima in `max` and the row sums in `sum`.
-    pub(crate) fn attend<K: Kernel, S: KeySource>(
+    pub(crate) fn attend<K: Kernel, S: TileSource>(
         &mut self,
         kernel: K,
         call: &Call<'_, f32>,
@@ -254,7 +371,7 @@ impl QueryTile {
     ) {
         let d_k = call.shape.d_k;
         let rows = S::computed_rows::<K>(at.rows);
-        self.load_queries(call, at, rows);
+        self.load_queries(call, at, rows, S::PAIRED_QUERIES);
         let span = TileSpan::of(at, call);
         // |scale·q·k| ≤ d_k·max|scale·q|·max|k|: below half of `f32::MAX`
         // (the margin covers rounding) no score can overflow, and the
@@ -271,7 +388,13 @@ impl QueryTile {
         for t in first_tile..end_tile {
             let j0 = t * KEY_TILE;
             let scores = &mut self.scores[..rows * KEY_TILE];
-            source.scores(kernel, &self.q[..rows * d_k], d_k, j0, scores);
+            let queries = TileQueries {
+                rows: &self.q[..rows * d_k],
+                pairs: &self.q_pairs,
+                d_k,
+                scale: call.scale,
+            };
+            source.tile_scores(kernel, &queries, j0, scores);
             if may_overflow {
                 mark_overflowed_scores(scores, at, j0, call);
             }
@@ -297,22 +420,23 @@ impl QueryTile {
             }
             let p = ArrayView2::from_shape((rows, KEY_TILE), &self.scores[..rows * KEY_TILE])
                 .expect("a whole tile");
-            let (values, nonfinite) = source.values(j0, p);
-            let zero_weights = if nonfinite {
-                ZeroWeights::Skip
-            } else {
-                ZeroWeights::Multiply
-            };
             let (alpha, o) = (&self.alpha[..rows], &mut self.o[..rows * width]);
-            kernel.accumulate_values(p, values, width, alpha, o, zero_weights);
+            source.tile_values(kernel, j0, p, alpha, o, width);
         }
     }
 
     /// Copies the tile's query rows, times the scale, into `q`; padding
     /// rows up to `rows` are zero. Scaling Q once costs `len_q·d_k`
     /// multiplies instead of `len_q·len_kv`.
-    fn load_queries(&mut self, call: &Call<'_, f32>, at: &TilePosition, rows: usize) {
+    ///
+    /// With `paired`, the rows are copied unscaled and also rounded into
+    /// `q_pairs` (exact for a `bf16` call's queries); the scores kernel
+    /// applies the scale. `q_max_abs` is then `max|q|·max(|scale|, 1)`,
+    /// which bounds the unscaled products the kernel sums as well as the
+    /// scaled scores.
+    fn load_queries(&mut self, call: &Call<'_, f32>, at: &TilePosition, rows: usize, paired: bool) {
         let d_k = call.shape.d_k;
+        let scale = if paired { 1.0 } else { call.scale };
         let q_head = crate::call::head(&call.q, at.b, at.h);
         // Padding rows are zero: their scores are computed and dropped.
         self.q[at.rows.min(rows) * d_k..rows * d_k].fill(0.0);
@@ -326,12 +450,12 @@ impl QueryTile {
             match query.as_slice() {
                 Some(query) => {
                     for (packed, &x) in packed.iter_mut().zip(query) {
-                        *packed = call.scale * x;
+                        *packed = scale * x;
                     }
                 }
                 None => {
                     for (packed, &x) in packed.iter_mut().zip(&query) {
-                        *packed = call.scale * x;
+                        *packed = scale * x;
                     }
                 }
             }
@@ -339,6 +463,16 @@ impl QueryTile {
         self.q_max_abs = self.q[..rows * d_k]
             .iter()
             .fold(0.0, |max, x| max.max(x.abs()));
+        if paired {
+            self.q_max_abs *= call.scale.abs().max(1.0);
+            let d_pairs = d_k.div_ceil(2);
+            for (query, pairs) in self.q[..rows * d_k]
+                .chunks_exact(d_k)
+                .zip(self.q_pairs.chunks_exact_mut(d_pairs))
+            {
+                bf16_pairs(query, pairs);
+            }
+        }
     }
 
     /// Writes `O / ℓ` for the tile's rows into `out_tile`, and `m + ln ℓ`
@@ -387,5 +521,29 @@ impl QueryTile {
                 log_sum_exp[r] = lse;
             }
         }
+    }
+}
+
+/// `x` rounded to `bf16` bits, to nearest even (NaN stays NaN). Exact for
+/// an `f32` that came from a `bf16`, as a `bf16` call's inputs did.
+#[inline]
+pub(crate) fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+    // NaN stays a quiet NaN, with its sign and the top of its payload.
+    let nan = ((bits >> 16) | 0x40) as u16;
+    // A select, not a branch, so loops over it vectorize.
+    if x.is_nan() { nan } else { rounded }
+}
+
+/// `x` in `bf16` pairs: pair `p` holds `x[2p]` in its low half and
+/// `x[2p + 1]` (zero past the end) in its high half.
+pub(crate) fn bf16_pairs(x: &[f32], pairs: &mut [u32]) {
+    let mut two = x.chunks_exact(2);
+    for (pair, two) in pairs.iter_mut().zip(&mut two) {
+        *pair = u32::from(bf16_bits(two[0])) | (u32::from(bf16_bits(two[1])) << 16);
+    }
+    if let [last] = two.remainder() {
+        pairs[x.len() / 2] = u32::from(bf16_bits(*last));
     }
 }

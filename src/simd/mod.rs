@@ -13,7 +13,8 @@
 //! | `softmax.rs` | the online-softmax row pass; the backward's shifted `exp` |
 //! | `values.rs` | `O ← α·O + P·V` |
 //! | `layout.rs` | rows and strided weights read in place; prefetching |
-//! | `probe.rs` | [`fma_peak`] and [`read_rate`]: this core's limits, for benchmarks |
+//! | `probe.rs` | [`fma_peak`], [`bf16_dot_peak`] and [`read_rate`]: this core's limits, for benchmarks |
+//! | `bf16.rs` | `Bf16Dot`: Q·Kᵀ and P·V on `bf16` pairs with AVX-512 BF16 (`vdpbf16ps`), for `bf16` calls |
 //!
 //! Each instruction set has a file that implements `Vector` for its register
 //! type and `Kernel` for a kernel type, with its register tile sizes and one
@@ -60,11 +61,18 @@ mod vector;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+#[cfg_attr(not(feature = "half"), allow(dead_code))]
+mod bf16;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
+#[cfg(all(target_arch = "x86_64", feature = "half"))]
+pub(crate) use bf16::{Bf16Dot, PAIR_KEYS};
 pub(crate) use kernel::Kernel;
-pub use probe::{fma_peak, read_rate};
+#[cfg(all(not(target_arch = "x86_64"), feature = "half"))]
+pub(crate) use no_bf16::{Bf16Dot, PAIR_KEYS};
+pub use probe::{bf16_dot_peak, fma_peak, read_rate};
 pub(crate) use values::ZeroWeights;
 
 /// One set of hand-vectorized kernels, named by the instruction set it needs.
@@ -157,6 +165,31 @@ impl FromStr for KernelSet {
                 )
             })
     }
+}
+
+/// Whether `bf16` forward calls on kernel set `set` read their inputs as
+/// `bf16` with AVX-512 BF16 (`vdpbf16ps`) rather than converting them to
+/// `f32`: on the AVX-512 set, on a CPU with AVX-512 BF16, with the `half`
+/// feature. Decoding steps (at most 8 query rows a head) convert in any
+/// case.
+///
+/// The weights `P` are then rounded to `bf16` for `P·V` (a relative error
+/// of at most 2⁻⁸ each), which moves an output by at most `2⁻⁸·max|v|`
+/// over its visible keys beyond the `f32` path's error.
+///
+/// ```
+/// use sdpa::simd::{KernelSet, bf16_dot_runs_on};
+/// assert!(!bf16_dot_runs_on(KernelSet::Scalar));
+/// ```
+pub fn bf16_dot_runs_on(set: KernelSet) -> bool {
+    #[cfg(all(target_arch = "x86_64", feature = "half"))]
+    let native = set == KernelSet::Avx512 && Bf16Dot::new().is_some();
+    #[cfg(not(all(target_arch = "x86_64", feature = "half")))]
+    let native = {
+        let _ = set;
+        false
+    };
+    native
 }
 
 /// The kernel sets this CPU can run, slowest first.
@@ -306,6 +339,53 @@ pub(crate) fn with_kernel<J: WithKernel>(
         },
         #[allow(unreachable_patterns)]
         _ => Err(unavailable(set)),
+    }
+}
+
+/// Where the CPU has no AVX-512 BF16 instructions at all: a `Bf16Dot`
+/// that cannot be built, so the driver compiles and never takes the path.
+#[cfg(all(not(target_arch = "x86_64"), feature = "half"))]
+mod no_bf16 {
+    /// No value of this type exists.
+    #[derive(Debug, Clone, Copy)]
+    enum Never {}
+
+    pub(crate) const PAIR_KEYS: usize = 64;
+
+    /// The AVX-512 BF16 kernels, which this architecture does not have.
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Bf16Dot(Never);
+
+    impl Bf16Dot {
+        pub(crate) fn new() -> Option<Self> {
+            None
+        }
+
+        pub(crate) fn scores(
+            self,
+            _: &[u32],
+            _: usize,
+            _: &[u32],
+            _: f32,
+            _: &mut [f32],
+            _: usize,
+        ) {
+            match self.0 {}
+        }
+
+        #[allow(clippy::too_many_arguments)]
+        pub(crate) fn accumulate_values(
+            self,
+            _: &[f32],
+            _: usize,
+            _: &[u32],
+            _: usize,
+            _: &[f32],
+            _: &mut [f32],
+            _: bool,
+        ) {
+            match self.0 {}
+        }
     }
 }
 

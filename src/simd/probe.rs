@@ -155,6 +155,34 @@ pub fn fma_peak(set: KernelSet) -> Result<f64, AttentionError> {
     Ok(flops / seconds / 1e9)
 }
 
+/// This core's AVX-512 BF16 dot-product peak in GFLOP/s, measured on the
+/// calling thread: independent chains of `vdpbf16ps` (32 multiply-adds of
+/// `bf16` pairs into `f32` per instruction, 64 FLOPs), the best of five
+/// runs of about 20 ms. A `bf16` forward's figures read as a fraction of
+/// this, as an `f32` forward's read against [`fma_peak`].
+///
+/// ```
+/// match sdpa::simd::bf16_dot_peak() {
+///     Ok(peak) => println!("vdpbf16ps: {peak:.0} GFLOP/s on one thread"),
+///     Err(error) => println!("{error}"),
+/// }
+/// ```
+///
+/// # Errors
+/// When this CPU has no AVX-512 BF16 instructions.
+pub fn bf16_dot_peak() -> Result<f64, AttentionError> {
+    #[cfg(target_arch = "x86_64")]
+    let peak = super::bf16::dot_peak();
+    #[cfg(not(target_arch = "x86_64"))]
+    let peak = None;
+    peak.ok_or_else(|| {
+        AttentionError::new(
+            crate::error::ErrorKind::UnsupportedKernel,
+            "this CPU has no AVX-512 BF16 instructions (vdpbf16ps)",
+        )
+    })
+}
+
 /// The rate, in GB/s (10⁹ bytes), at which the calling thread reads `data`
 /// once from start to end with kernel set `set`'s vector loads: the median
 /// of `passes` passes (at least one). Pass data larger than the last-level

@@ -16,7 +16,7 @@
 
 use half::{bf16, f16};
 use ndarray::{Array1, Array3, Array4, ArrayView4, Axis};
-use sdpa::simd::{available_kernel_sets, with_kernel_set};
+use sdpa::simd::{KernelSet, available_kernel_sets, with_kernel_set};
 use sdpa::{
     AttentionOptions, CausalAlignment, ErrorKind, Storage, alibi_slopes,
     scaled_dot_product_attention, scaled_dot_product_attention_backward,
@@ -29,12 +29,16 @@ use crate::common::Rng;
 trait Half: Storage<Compute = f32> + PartialEq {
     /// Unit roundoff: half the distance from 1 to the next number.
     const UNIT_ROUNDOFF: f64;
+    /// Whether the forward may read the inputs in this type natively
+    /// (bf16 on AVX-512 BF16), rounding the weights to it for `P·V`.
+    const NATIVE_DOT: bool;
     fn from_f64(x: f64) -> Self;
     fn to_f64(self) -> f64;
 }
 
 impl Half for bf16 {
     const UNIT_ROUNDOFF: f64 = 1.0 / 256.0;
+    const NATIVE_DOT: bool = true;
     fn from_f64(x: f64) -> Self {
         bf16::from_f64(x)
     }
@@ -45,6 +49,7 @@ impl Half for bf16 {
 
 impl Half for f16 {
     const UNIT_ROUNDOFF: f64 = 1.0 / 2048.0;
+    const NATIVE_DOT: bool = false;
     fn from_f64(x: f64) -> Self {
         f16::from_f64(x)
     }
@@ -264,7 +269,25 @@ impl<H: Half> Case<H> {
 
     /// The `f32` part of the error bound.
     fn f32_error(&self) -> f64 {
-        2e-5 * (1.0 + self.v.iter().fold(0.0, |m: f64, x| m.max(x.to_f64().abs())))
+        2e-5 * (1.0 + self.max_abs_v())
+    }
+
+    fn max_abs_v(&self) -> f64 {
+        self.v.iter().fold(0.0, |m: f64, x| m.max(x.to_f64().abs()))
+    }
+
+    /// The absolute error bound on kernel set `set`: the `f32` part, and
+    /// where bf16 runs natively, the weights rounded to bf16 for `P·V`
+    /// (each by at most 2⁻⁸ relative, so an output, a weighted mean of
+    /// values, by at most 2⁻⁸·max|v|).
+    fn error_on(&self, set: KernelSet) -> f64 {
+        let native = H::NATIVE_DOT && sdpa::simd::bf16_dot_runs_on(set);
+        self.f32_error()
+            + if native {
+                self.max_abs_v() / 256.0
+            } else {
+                0.0
+            }
     }
 }
 
@@ -325,7 +348,7 @@ fn forward_every_kernel<H: Half>(seed: u64) {
                 })
                 .expect("the set runs here")
                 .expect("the call runs");
-                assert_within(&got, &want, case.f32_error(), &what);
+                assert_within(&got, &want, case.error_on(set), &what);
             }
         }
     }
@@ -362,10 +385,11 @@ fn partial_and_into<H: Half>() {
         )
         .expect("the half partial runs");
         let what = format!("partial {spec:?}");
+        let set = sdpa::simd::selected_kernel_set().expect("the selected set runs");
         assert_within(
             &got.output().to_owned(),
             &want.output().to_owned(),
-            case.f32_error(),
+            case.error_on(set),
             &what,
         );
         // The log-sum-exp is f32.

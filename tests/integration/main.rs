@@ -9,6 +9,8 @@ mod config;
 mod decode_options;
 
 mod backward;
+#[cfg(feature = "half")]
+mod bf16_dot;
 #[cfg(feature = "safetensors")]
 mod checkpoints;
 mod errors;

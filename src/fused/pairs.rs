@@ -1,0 +1,307 @@
+//! The prefill of a `bf16` call on AVX-512 BF16: the keys and values of
+//! each `(batch, kv_head)` packed once as `bf16` pairs, and both products
+//! of every tile on `vdpbf16ps` ([`crate::simd::Bf16Dot`]). Everything
+//! else, jobs, tiles, masks, modifiers, softmax, log-sum-exp and sinks, is
+//! the `f32` prefill's (`forward.rs`, `tile.rs`): this file is only a
+//! [`TileSource`] with its packing.
+//!
+//! A `bf16` call's inputs reach here converted to `f32` exactly, so
+//! rounding them back to `bf16` when packing (and the queries, unscaled,
+//! in `tile.rs`) is exact too: the scores are the `f32` sums of exact
+//! products, scaled in `f32`. The one rounding this path adds over the
+//! `f32` path is the weights `P`, rounded to `bf16` per tile for `P·V`:
+//! each by a relative 2⁻⁸ at most, so an output moves by at most
+//! `2⁻⁸·Σ_j p_j·|v_j|/Σ_j p_j ≤ 2⁻⁸·max|v|` beyond the `f32` path's error.
+
+use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4};
+
+use super::KEY_TILE;
+use super::decode;
+use super::forward::{Forward, prefill_with};
+use super::tile::{TileQueries, TileSource, bf16_bits, bf16_pairs};
+use crate::alloc::{element_count, try_filled};
+use crate::call::{Call, head};
+use crate::error::AttentionError;
+use crate::simd::{Bf16Dot, Kernel, PAIR_KEYS, WithKernel};
+
+const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
+
+/// `f32` lanes of the AVX-512 set, the only one this path runs with: the
+/// value rows the tile keeps are padded to it, as `Bf16Dot` needs.
+const LANES: usize = 16;
+
+/// One `bf16` forward call on AVX-512 BF16, waiting for its kernel.
+pub(super) struct Bf16Forward<'c, 'a> {
+    pub(super) forward: Forward<'c, 'a>,
+    pub(super) dot: Bf16Dot,
+}
+
+impl WithKernel for Bf16Forward<'_, '_> {
+    type Output = Result<(), AttentionError>;
+
+    /// The pairs prefill, unless the `f32` driver's answer is the one to
+    /// give: empty outputs and decoding steps (its own paths), and calls
+    /// whose unscaled products could overflow `f32` where the `f32` path's
+    /// scaled ones would not (it decides what an overflow gives).
+    fn run<K: Kernel>(self, kernel: K) -> Self::Output {
+        let Bf16Forward { forward, dot } = self;
+        let call = forward.call;
+        let empty = forward.out.is_empty()
+            && forward
+                .log_sum_exp
+                .as_ref()
+                .is_none_or(|lse| lse.is_empty());
+        if empty
+            || K::LANES != LANES
+            || decode::reads_keys_in_place::<K>(call)
+            || products_may_overflow(call)
+        {
+            return forward.run(kernel);
+        }
+        let Forward {
+            call,
+            out,
+            log_sum_exp,
+        } = forward;
+        prefill(kernel, dot, call, out, log_sum_exp)
+    }
+}
+
+/// Whether `|q·k|`, unscaled or scaled, may come near `f32::MAX` for some
+/// query and key: `d_k·max|q|·max|k|·max(|scale|, 1)` past half of it.
+fn products_may_overflow(call: &Call<'_, f32>) -> bool {
+    let max_abs = |x: &ndarray::ArrayView4<'_, f32>| x.fold(0.0f32, |max, x| max.max(x.abs()));
+    let bound = f64::from(max_abs(&call.q))
+        * f64::from(max_abs(&call.k))
+        * call.shape.d_k as f64
+        * f64::from(call.scale.abs().max(1.0));
+    bound > f64::from(f32::MAX) / 2.0
+}
+
+/// The prefill with each `(batch, kv_head)` packed into [`PairedKeys`].
+fn prefill<K: Kernel>(
+    kernel: K,
+    dot: Bf16Dot,
+    call: &Call<'_, f32>,
+    out: ArrayViewMut4<'_, f32>,
+    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
+) -> Result<(), AttentionError> {
+    prefill_with(kernel, call, out, log_sum_exp, |b, kv_h| {
+        PairedKeys::pack(dot, call, b, kv_h)
+    })
+}
+
+/// One head's keys and values as `bf16` pairs, padded to whole key tiles
+/// with zeros.
+struct PairedKeys {
+    dot: Bf16Dot,
+    /// Per key tile `[d_pairs][KEY_TILE]`: key `j`'s dims `2p, 2p + 1` at
+    /// `[p][j]`.
+    keys: spare::Pairs,
+    d_pairs: usize,
+    /// Per key tile `[KEY_TILE/2][width]`: keys `2i, 2i + 1` of column `c`
+    /// at `[i][c]`.
+    values: spare::Pairs,
+    /// `d_v` rounded up to whole vectors, as the query tile's output rows.
+    width: usize,
+    max_abs_key: f32,
+    /// Per key tile: does a value there hold NaN or an infinity?
+    tile_has_nonfinite_values: Vec<bool>,
+}
+
+impl PairedKeys {
+    /// Packs the keys and values of `(b, kv_h)`.
+    ///
+    /// # Errors
+    /// When the buffers are too large to address or cannot be allocated.
+    fn pack(
+        dot: Bf16Dot,
+        call: &Call<'_, f32>,
+        b: usize,
+        kv_h: usize,
+    ) -> Result<Self, AttentionError> {
+        let shape = call.shape;
+        let tiles = shape.len_kv.div_ceil(KEY_TILE);
+        let padded = tiles * KEY_TILE;
+        let d_pairs = shape.d_k.div_ceil(2);
+        let width = shape.d_v.div_ceil(LANES) * LANES;
+        let what = "packed bf16 keys and values";
+        let mut keys = spare::take(what, element_count::<u32>(what, &[padded, d_pairs])?)?;
+        let mut values = spare::take(what, element_count::<u32>(what, &[padded / 2, width])?)?;
+        let mut tile_has_nonfinite_values = try_filled(what, tiles, false)?;
+        let mut max_abs_key = 0.0f32;
+        // One key's pairs, then scattered to their column of the tile.
+        let mut key_pairs = try_filled(what, d_pairs, 0u32)?;
+        let mut row = try_filled(what, shape.d_k.max(shape.d_v), 0.0f32)?;
+        for (j, key) in head(&call.k, b, kv_h).rows().into_iter().enumerate() {
+            let key = contiguous(key, &mut row);
+            max_abs_key = key.iter().fold(max_abs_key, |max, x| max.max(x.abs()));
+            bf16_pairs(key, &mut key_pairs);
+            let tile = &mut keys[(j / KEY_TILE) * d_pairs * KEY_TILE..][..d_pairs * KEY_TILE];
+            for (packed, &pair) in tile[j % KEY_TILE..]
+                .iter_mut()
+                .step_by(KEY_TILE)
+                .zip(&key_pairs)
+            {
+                *packed = pair;
+            }
+        }
+        for (j, value) in head(&call.v, b, kv_h).rows().into_iter().enumerate() {
+            let value = contiguous(value, &mut row);
+            let (tile, column) = (j / KEY_TILE, j % KEY_TILE);
+            let pairs = &mut values[(tile * KEY_TILE / 2 + column / 2) * width..][..width];
+            // Even keys write the low halves (and zero the high ones), odd
+            // keys add the high halves: every entry of a real key pair is
+            // written, whatever the reused buffer held.
+            if column % 2 == 0 {
+                for (pair, &x) in pairs.iter_mut().zip(value) {
+                    *pair = u32::from(bf16_bits(x));
+                }
+                pairs[value.len()..].fill(0);
+            } else {
+                for (pair, &x) in pairs.iter_mut().zip(value) {
+                    *pair |= u32::from(bf16_bits(x)) << 16;
+                }
+            }
+            // Not `all`: without an early exit the check vectorizes.
+            if !value.iter().fold(true, |finite, x| finite & x.is_finite()) {
+                tile_has_nonfinite_values[tile] = true;
+            }
+        }
+        // The padding keys: zero (the buffers may be reused).
+        let len_kv = shape.len_kv;
+        if len_kv < padded {
+            let tile = &mut keys[(len_kv / KEY_TILE) * d_pairs * KEY_TILE..];
+            for pairs in tile.chunks_exact_mut(KEY_TILE) {
+                pairs[len_kv % KEY_TILE..].fill(0);
+            }
+        }
+        values[len_kv.div_ceil(2) * width..].fill(0);
+        Ok(Self {
+            dot,
+            keys,
+            d_pairs,
+            values,
+            width,
+            max_abs_key,
+            tile_has_nonfinite_values,
+        })
+    }
+}
+
+impl TileSource for PairedKeys {
+    const PAIRED_QUERIES: bool = true;
+
+    /// The kernels take any number of rows; the query tile still rounds
+    /// its buffers to the kernel set's rows, so this keeps to them.
+    fn computed_rows<K: Kernel>(rows: usize) -> usize {
+        rows.div_ceil(K::ROWS) * K::ROWS
+    }
+
+    fn max_abs_key(&self) -> f32 {
+        self.max_abs_key
+    }
+
+    fn tile_scores<K: Kernel>(&self, _: K, q: &TileQueries<'_>, j0: usize, scores: &mut [f32]) {
+        let rows = scores.len() / KEY_TILE;
+        let tile = &self.keys[j0 * self.d_pairs..][..self.d_pairs * KEY_TILE];
+        let q_pairs = &q.pairs[..rows * self.d_pairs];
+        self.dot
+            .scores(q_pairs, self.d_pairs, tile, q.scale, scores, KEY_TILE);
+    }
+
+    fn tile_values<K: Kernel>(
+        &self,
+        _: K,
+        j0: usize,
+        p: ArrayView2<'_, f32>,
+        alpha: &[f32],
+        o: &mut [f32],
+        width: usize,
+    ) {
+        assert_eq!(width, self.width, "the query tile's rows are padded alike");
+        let p = p.as_slice().expect("a query tile's weights are one block");
+        let tile = &self.values[j0 / 2 * self.width..][..KEY_TILE / 2 * self.width];
+        let skip = self.tile_has_nonfinite_values[j0 / KEY_TILE];
+        self.dot
+            .accumulate_values(p, KEY_TILE, tile, width, alpha, o, skip);
+    }
+}
+
+/// `x` as a slice: itself when contiguous, else copied into `row`.
+fn contiguous<'a>(x: ndarray::ArrayView1<'a, f32>, row: &'a mut [f32]) -> &'a [f32] {
+    match x.to_slice() {
+        Some(x) => x,
+        None => {
+            let row = &mut row[..x.len()];
+            row.iter_mut().zip(&x).for_each(|(r, &x)| *r = x);
+            row
+        }
+    }
+}
+
+/// Pair buffers kept by each thread for its next call, as `scratch.rs`
+/// keeps `f32` ones, and for the same reason: a fresh buffer of 128 KiB
+/// or more is `mmap`ed and faulted in page by page on every call (10% of
+/// a causal bf16 forward at N = 1024, measured with perf).
+mod spare {
+    use std::cell::RefCell;
+    use std::ops::{Deref, DerefMut};
+
+    use crate::alloc::try_with_capacity;
+    use crate::error::AttentionError;
+
+    /// The most a thread keeps, in `u32`s (64 MiB).
+    const SPARE: usize = 16 << 20;
+
+    thread_local! {
+        static BUFFERS: RefCell<Vec<Vec<u32>>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// `len` `u32`s of any value (what a reused buffer held, zeros where
+    /// new), given back to the thread's spares when dropped.
+    pub(super) struct Pairs(Vec<u32>);
+
+    pub(super) fn take(what: &str, len: usize) -> Result<Pairs, AttentionError> {
+        let reused = BUFFERS.with_borrow_mut(|spare| {
+            let best = (0..spare.len())
+                .filter(|&i| spare[i].capacity() >= len)
+                .min_by_key(|&i| spare[i].capacity())?;
+            Some(spare.swap_remove(best))
+        });
+        let mut data = match reused {
+            Some(data) => data,
+            None => try_with_capacity(what, len)?,
+        };
+        data.resize(len, 0);
+        Ok(Pairs(data))
+    }
+
+    impl Deref for Pairs {
+        type Target = [u32];
+        fn deref(&self) -> &[u32] {
+            &self.0
+        }
+    }
+
+    impl DerefMut for Pairs {
+        fn deref_mut(&mut self) -> &mut [u32] {
+            &mut self.0
+        }
+    }
+
+    impl Drop for Pairs {
+        fn drop(&mut self) {
+            let data = std::mem::take(&mut self.0);
+            // A thread being torn down, or a full pool, simply frees it.
+            let _ = BUFFERS.try_with(|spare| {
+                if let Ok(mut spare) = spare.try_borrow_mut() {
+                    let kept: usize = spare.iter().map(Vec::capacity).sum();
+                    if kept + data.capacity() <= SPARE {
+                        spare.push(data);
+                    }
+                }
+            });
+        }
+    }
+}

@@ -1,0 +1,394 @@
+//! The `bf16` forward on AVX-512 BF16 (`vdpbf16ps`): against `core` in
+//! `f64` on the same rounded inputs, on shapes and options the prefill
+//! reaches; NaN in masked keys and values; rows that see nothing; and
+//! bitwise the same result for 1 and 2 threads. Skipped where the CPU has
+//! no AVX-512 BF16 (then `bf16` converts to `f32`, which `half.rs` tests).
+//!
+//! The bound asserted, per output entry, against `r`, the `f64` reference:
+//!
+//! ```text
+//! |out − r| ≤ 2⁻⁸·|r| + 2⁻⁸·max|v| + 2e-5·(1 + max|v|)
+//! ```
+//!
+//! The first term is the output's rounding to bf16; the second the
+//! weights' rounding to bf16 for `P·V` (each by at most 2⁻⁸ relative, and
+//! an output is a weighted mean of values, its denominator summed from the
+//! unrounded weights in f32); the third the f32 arithmetic, as in
+//! `half.rs`. The scores add nothing: the queries and keys are bf16 and
+//! their products exact in f32.
+
+use half::bf16;
+use ndarray::{Array4, s};
+use sdpa::simd::{KernelSet, bf16_dot_runs_on, with_kernel_set};
+use sdpa::{AttentionOptions, CausalAlignment, alibi_slopes, scaled_dot_product_attention};
+
+use crate::common::Rng;
+
+/// The AVX-512 set, when bf16 runs natively on it here.
+fn native() -> Option<KernelSet> {
+    bf16_dot_runs_on(KernelSet::Avx512).then_some(KernelSet::Avx512)
+}
+
+fn random(rng: &mut Rng, shape: [usize; 4], spread: f64) -> Array4<bf16> {
+    Array4::from_shape_simple_fn(shape, || bf16::from_f64(rng.uniform(-spread, spread)))
+}
+
+fn wide(x: &Array4<bf16>) -> Array4<f64> {
+    x.mapv(bf16::to_f64)
+}
+
+fn run(
+    set: KernelSet,
+    q: &Array4<bf16>,
+    k: &Array4<bf16>,
+    v: &Array4<bf16>,
+    opts: &AttentionOptions<'_, f32>,
+) -> Array4<bf16> {
+    with_kernel_set(set, || {
+        scaled_dot_product_attention(q.view(), k.view(), v.view(), opts)
+    })
+    .expect("the set runs here")
+    .expect("the call runs")
+}
+
+/// The largest error against `want` as a fraction of the bound, asserting
+/// it is at most 1 (NaN only where the reference has NaN).
+fn check(got: &Array4<bf16>, want: &Array4<f64>, max_v: f64, what: &str) -> f64 {
+    let absolute = max_v / 256.0 + 2e-5 * (1.0 + max_v);
+    let mut worst: f64 = 0.0;
+    for ((index, g), &w) in got.indexed_iter().zip(want) {
+        let g = g.to_f64();
+        if w.is_nan() {
+            assert!(g.is_nan(), "{what} at {index:?}: got {g}, reference NaN");
+            continue;
+        }
+        let bound = w.abs() / 256.0 + absolute;
+        let error = (g - w).abs();
+        assert!(
+            error <= bound,
+            "{what} at {index:?}: got {g}, reference {w}, error {error} > {bound}"
+        );
+        worst = worst.max(error / bound);
+    }
+    worst
+}
+
+/// `[batch, heads, kv_heads, len_q, len_kv, d_k, d_v]`: lengths off the
+/// 64-key and 48/96-row tiles, d_k odd and off multiples of 32, GQA/MQA.
+const SHAPES: [[usize; 7]; 6] = [
+    [1, 4, 2, 150, 333, 33, 40],
+    [2, 2, 1, 97, 64, 1, 17],
+    [1, 3, 1, 9, 200, 64, 64],
+    [1, 2, 2, 257, 257, 64, 64],
+    [1, 2, 1, 65, 1000, 127, 31],
+    [2, 8, 2, 40, 129, 80, 16],
+];
+
+/// What a case's options borrow, in `T` (f32 for the bf16 call, the same
+/// numbers in f64 for the reference).
+struct Store<T> {
+    keep: Array4<bool>,
+    bias: Array4<T>,
+    lengths: Vec<usize>,
+    slopes: Vec<T>,
+    sinks: Vec<T>,
+}
+
+impl Store<f32> {
+    fn new(shape: [usize; 7], rng: &mut Rng) -> Self {
+        let [batch, heads, _, len_q, len_kv, _, _] = shape;
+        Store {
+            keep: Array4::from_shape_simple_fn([batch, 1, len_q, len_kv], || rng.chance(0.75)),
+            bias: Array4::from_shape_simple_fn([1, heads, len_q, len_kv], || {
+                rng.uniform(-1.0, 1.0) as f32
+            }),
+            lengths: (0..batch).map(|_| rng.below(len_kv + 1)).collect(),
+            slopes: alibi_slopes(heads).iter().map(|&x| x as f32).collect(),
+            sinks: (0..heads).map(|_| rng.uniform(-1.0, 2.0) as f32).collect(),
+        }
+    }
+
+    fn wide(&self) -> Store<f64> {
+        Store {
+            keep: self.keep.clone(),
+            bias: self.bias.mapv(f64::from),
+            lengths: self.lengths.clone(),
+            slopes: self.slopes.iter().map(|&x| f64::from(x)).collect(),
+            sinks: self.sinks.iter().map(|&x| f64::from(x)).collect(),
+        }
+    }
+}
+
+/// Case `case`'s options: none; causal both ways; a window with key
+/// lengths; a keep mask with a bias; ALiBi, softcap and sinks; all of them.
+fn options<T: Copy + num_traits::Float + From<f32>>(
+    case: usize,
+    store: &Store<T>,
+) -> AttentionOptions<'_, T> {
+    let t = |x: f32| <T as From<f32>>::from(x);
+    let opts = AttentionOptions::new();
+    match case {
+        0 => opts,
+        1 => opts.causal(),
+        2 => opts.causal_aligned(CausalAlignment::TopLeft).scale(t(0.3)),
+        3 => opts.window(37).key_lengths(&store.lengths),
+        4 => opts.keep_mask(store.keep.view()).bias(store.bias.view()),
+        5 => opts
+            .causal()
+            .alibi(&store.slopes)
+            .softcap(t(5.0))
+            .sinks(&store.sinks),
+        _ => opts
+            .causal()
+            .window(50)
+            .scale(t(0.2))
+            .keep_mask(store.keep.view())
+            .key_lengths(&store.lengths)
+            .bias(store.bias.view())
+            .alibi(&store.slopes)
+            .softcap(t(4.0))
+            .sinks(&store.sinks),
+    }
+}
+
+const CASES: usize = 7;
+
+/// One case's inputs and option data.
+struct Case {
+    q: Array4<bf16>,
+    k: Array4<bf16>,
+    v: Array4<bf16>,
+    store: Store<f32>,
+}
+
+impl Case {
+    fn new(shape: [usize; 7], seed: u64) -> Self {
+        let [batch, heads, kv_heads, len_q, len_kv, d_k, d_v] = shape;
+        let mut rng = Rng::new(seed);
+        Case {
+            q: random(&mut rng, [batch, heads, len_q, d_k], 2.0),
+            k: random(&mut rng, [batch, kv_heads, len_kv, d_k], 2.0),
+            v: random(&mut rng, [batch, kv_heads, len_kv, d_v], 3.0),
+            store: Store::new(shape, &mut rng),
+        }
+    }
+
+    fn max_abs_v(&self) -> f64 {
+        self.v.iter().fold(0.0, |m: f64, x| m.max(x.to_f64().abs()))
+    }
+
+    /// `core` in f64 on the rounded inputs, with the options widened.
+    fn reference(&self, case: usize) -> Array4<f64> {
+        let wide_store = self.store.wide();
+        let (q, k, v) = (wide(&self.q), wide(&self.k), wide(&self.v));
+        sdpa::core::scaled_dot_product_attention(
+            q.view(),
+            k.view(),
+            v.view(),
+            &options(case, &wide_store),
+        )
+        .expect("the reference runs")
+    }
+}
+
+#[test]
+fn the_native_forward_matches_the_f64_reference_within_the_bound() {
+    let Some(set) = native() else {
+        return;
+    };
+    let mut worst: f64 = 0.0;
+    for (s, &shape) in SHAPES.iter().enumerate() {
+        for case in 0..CASES {
+            let c = Case::new(shape, 100 * s as u64 + case as u64);
+            let got = run(set, &c.q, &c.k, &c.v, &options(case, &c.store));
+            let what = format!("{shape:?} case {case}");
+            worst = worst.max(check(&got, &c.reference(case), c.max_abs_v(), &what));
+        }
+    }
+    // The output's own rounding alone can take up to half of the bound.
+    println!("worst error: {worst:.3} of the bound");
+}
+
+#[test]
+fn the_native_path_is_taken_and_differs_from_converting_only_by_the_weights() {
+    let Some(set) = native() else {
+        return;
+    };
+    let shape = [1, 2, 1, 100, 300, 64, 64];
+    let c = Case::new(shape, 9);
+    let opts = AttentionOptions::new().causal_aligned(CausalAlignment::TopLeft);
+    let got = run(set, &c.q, &c.k, &c.v, &opts);
+    // The f32 path on the same numbers, rounded once to bf16.
+    let (q, k, v) = (
+        c.q.mapv(bf16::to_f32),
+        c.k.mapv(bf16::to_f32),
+        c.v.mapv(bf16::to_f32),
+    );
+    let f32_path = with_kernel_set(set, || {
+        scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
+    })
+    .expect("the set runs")
+    .expect("the call runs");
+    let converted = f32_path.mapv(bf16::from_f32);
+    // The first row sees one key: its weight is 1, exact in bf16.
+    assert_eq!(
+        got.slice(s![.., .., 0, ..]),
+        converted.slice(s![.., .., 0, ..])
+    );
+    let differing = got.iter().zip(&converted).filter(|(a, b)| a != b).count();
+    assert!(
+        differing > 0,
+        "the bf16 weights change some outputs: the native path ran"
+    );
+    let max_v = c.max_abs_v();
+    for (a, b) in got.iter().zip(&f32_path) {
+        let bound = max_v / 256.0 + b.abs() as f64 / 256.0 + 1e-6;
+        assert!(
+            (a.to_f64() - f64::from(*b)).abs() <= bound,
+            "{a} against {b}"
+        );
+    }
+}
+
+#[test]
+fn nan_in_masked_keys_and_values_never_reaches_the_output() {
+    let Some(set) = native() else {
+        return;
+    };
+    let shape = [2, 4, 2, 130, 200, 40, 24];
+    for case in [3, 4, 6] {
+        let mut c = Case::new(shape, 50 + case as u64);
+        // Every seventh key hidden from every row, in tiles whose other
+        // keys rows see: the value kernel's zero-weight path.
+        for j in (3..shape[4]).step_by(7) {
+            c.store.keep.slice_mut(s![.., .., .., j]).fill(false);
+        }
+        let opts = options(case, &c.store);
+        let clean = run(set, &c.q, &c.k, &c.v, &opts);
+        // NaN and infinities in every key and value no row may see: past
+        // the key lengths (cases 3, 6), and keys a keep mask hides from
+        // every row of a batch item (cases 4, 6).
+        let (mut k, mut v) = (c.k.clone(), c.v.clone());
+        let [batch, _, _, len_q, len_kv, _, _] = shape;
+        for b in 0..batch {
+            for j in 0..len_kv {
+                let past_length = case != 4 && j >= c.store.lengths[b];
+                let hidden = case != 3 && (0..len_q).all(|i| !c.store.keep[[b, 0, i, j]]);
+                if past_length || hidden {
+                    k.slice_mut(s![b, .., j, ..]).fill(bf16::NAN);
+                    v.slice_mut(s![b, .., j, ..]).fill(if j % 2 == 0 {
+                        bf16::NAN
+                    } else {
+                        bf16::INFINITY
+                    });
+                }
+            }
+        }
+        let dirty = run(set, &c.q, &k, &v, &opts);
+        assert!(
+            dirty
+                .iter()
+                .zip(&clean)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "case {case}: masked NaN changed the output"
+        );
+        assert!(dirty.iter().all(|x| x.is_finite()), "case {case}");
+    }
+}
+
+#[test]
+fn nan_in_keys_a_row_masks_but_its_tile_holds() {
+    let Some(set) = native() else {
+        return;
+    };
+    // Causal: row i sees keys 0..=i; NaN in key/value 150 reaches only rows
+    // from 150 on, though tiles of earlier rows hold it.
+    let shape = [1, 2, 2, 200, 200, 32, 32];
+    let c = Case::new(shape, 3);
+    let (mut k, mut v) = (c.k.clone(), c.v.clone());
+    k.slice_mut(s![.., .., 150, ..]).fill(bf16::NAN);
+    v.slice_mut(s![.., .., 150, ..]).fill(bf16::NAN);
+    let opts = AttentionOptions::new().causal();
+    let clean = run(set, &c.q, &c.k, &c.v, &opts);
+    let dirty = run(set, &c.q, &k, &v, &opts);
+    for i in 0..200 {
+        let (a, b) = (
+            dirty.slice(s![.., .., i, ..]),
+            clean.slice(s![.., .., i, ..]),
+        );
+        if i < 150 {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "row {i}"
+            );
+        } else {
+            assert!(a.iter().all(|x| x.is_nan()), "row {i} sees the NaN key");
+        }
+    }
+}
+
+#[test]
+fn rows_that_see_no_key_are_zero() {
+    let Some(set) = native() else {
+        return;
+    };
+    let shape = [3, 2, 1, 70, 90, 16, 48];
+    let c = Case::new(shape, 4);
+    // Batch item 1 has no keys; in item 2 the keep mask hides every key
+    // from rows 10..20.
+    let lengths = [90, 0, 90];
+    let mut keep = Array4::from_elem([3, 1, 70, 90], true);
+    keep.slice_mut(s![2, .., 10..20, ..]).fill(false);
+    let opts = AttentionOptions::new()
+        .key_lengths(&lengths)
+        .keep_mask(keep.view());
+    let out = run(set, &c.q, &c.k, &c.v, &opts);
+    assert!(
+        out.slice(s![1, .., .., ..])
+            .iter()
+            .all(|x| x.to_bits() == 0)
+    );
+    assert!(
+        out.slice(s![2, .., 10..20, ..])
+            .iter()
+            .all(|x| x.to_bits() == 0)
+    );
+    assert!(
+        out.slice(s![0, .., .., ..])
+            .iter()
+            .any(|x| x.to_f64() != 0.0)
+    );
+}
+
+fn with_threads<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("a thread pool")
+        .install(f)
+}
+
+#[test]
+fn one_and_two_threads_give_the_same_bits() {
+    let Some(set) = native() else {
+        return;
+    };
+    for (s, shape) in [[2, 4, 2, 300, 300, 40, 24], [1, 8, 1, 97, 1000, 64, 64]]
+        .into_iter()
+        .enumerate()
+    {
+        for case in [0, 1, 6] {
+            let c = Case::new(shape, 70 + s as u64);
+            let opts = options(case, &c.store);
+            let call = || run(set, &c.q, &c.k, &c.v, &opts);
+            let one = with_threads(1, call);
+            let two = with_threads(2, call);
+            assert!(
+                one.iter()
+                    .zip(&two)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{shape:?} case {case}"
+            );
+        }
+    }
+}
