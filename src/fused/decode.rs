@@ -55,7 +55,7 @@ pub(super) fn decode<K: Kernel>(
         || QueryTile::new::<K>(&shape, shape.len_q),
         |tile, (b, kv_h, c)| {
             let tile = tile.as_mut().map_err(|error| error.clone())?;
-            let source = KeyRows {
+            let mut source = KeyRows {
                 k: head(&call.k, b, kv_h),
                 v: head(&call.v, b, kv_h),
             };
@@ -68,7 +68,7 @@ pub(super) fn decode<K: Kernel>(
                         i0: 0,
                         rows: shape.len_q,
                     };
-                    tile.attend(kernel, call, &at, &source, keys.clone());
+                    tile.attend(kernel, call, &at, &mut source, keys.clone());
                     let mut out: Array2<f32> =
                         try_zeros("a decode partial", (shape.len_q, shape.d_v))?;
                     let mut lse = Array1::zeros(shape.len_q);

@@ -104,16 +104,16 @@ fn prefill<K: Kernel>(
                     tiles.push((at, out_tile, lse_tile));
                 }
             }
-            let source = PackedKeys {
-                packed: &packed,
-                d_k: shape.d_k,
-            };
             map_with(
                 tiles,
                 || QueryTile::new::<K>(&shape, query_tile),
                 |tile, (at, mut out_tile, lse_tile)| {
                     let tile = tile.as_mut().map_err(|error| error.clone())?;
-                    tile.attend(kernel, call, &at, &source, keys.clone());
+                    let mut source = PackedKeys {
+                        packed: &packed,
+                        d_k: shape.d_k,
+                    };
+                    tile.attend(kernel, call, &at, &mut source, keys.clone());
                     let sink = call.sink(at.h);
                     tile.write_output(call, &at, keys.clone(), &mut out_tile, lse_tile, sink);
                     Ok(())
