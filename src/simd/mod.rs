@@ -13,6 +13,7 @@
 //! | `softmax.rs` | the online-softmax row pass; the backward's shifted `exp` |
 //! | `values.rs` | `O ← α·O + P·V` |
 //! | `layout.rs` | rows and strided weights read in place; prefetching |
+//! | `convert.rs` | `bf16`/`f16` → `f32` per kernel set (F16C, shifts), for half-precision caches |
 //! | `probe.rs` | [`fma_peak`] and [`read_rate`]: this core's limits, for benchmarks |
 //!
 //! Each instruction set has a file that implements `Vector` for its register
@@ -45,6 +46,8 @@ use std::sync::OnceLock;
 
 use crate::error::{AttentionError, ErrorKind};
 
+#[cfg(feature = "half")]
+mod convert;
 mod exp;
 mod kernel;
 mod layout;
@@ -63,6 +66,9 @@ mod avx512;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
+#[cfg(feature = "half")]
+#[allow(unused_imports)] // until the decode path uses them
+pub(crate) use convert::{Narrow, Widen};
 pub(crate) use kernel::Kernel;
 pub use probe::{fma_peak, read_rate};
 pub(crate) use values::ZeroWeights;
