@@ -88,27 +88,6 @@ fn scalar<H: Copy>(src: &[H], dst: &mut [f32], to_f32: fn(H) -> f32) {
     }
 }
 
-/// Rounds `src` to the nearest `H` (ties to even, what `half` does) into
-/// `dst`: the one narrowing the crate does, when a half-precision cache is
-/// appended `f32` projections. Not on the decode path, so `half`'s slice
-/// conversion (F16C where the CPU has it, for `f16`) is enough.
-pub(crate) trait Narrow: Copy {
-    /// `dst[i] = H::from_f32(src[i])`.
-    fn narrow(src: &[f32], dst: &mut [Self]);
-}
-
-impl Narrow for bf16 {
-    fn narrow(src: &[f32], dst: &mut [bf16]) {
-        dst.convert_from_f32_slice(src);
-    }
-}
-
-impl Narrow for f16 {
-    fn narrow(src: &[f32], dst: &mut [f16]) {
-        dst.convert_from_f32_slice(src);
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     //! The x86-64 conversions. Each returns how many leading elements it

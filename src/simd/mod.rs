@@ -67,8 +67,7 @@ mod avx512;
 mod neon;
 
 #[cfg(feature = "half")]
-#[allow(unused_imports)] // until the decode path uses them
-pub(crate) use convert::{Narrow, Widen};
+pub(crate) use convert::Widen;
 pub(crate) use kernel::Kernel;
 pub use probe::{fma_peak, read_rate};
 pub(crate) use values::ZeroWeights;
