@@ -453,7 +453,9 @@ pub(crate) mod sealed {
 /// # }
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
-pub trait Storage: Copy + Debug + Display + Send + Sync + 'static + sealed::Convert {
+pub trait Storage:
+    Copy + Debug + Display + Send + Sync + 'static + num_traits::Zero + sealed::Convert
+{
     /// The type the fast path computes in, which the call's options, the
     /// log-sum-exp, `d_bias` and `d_sinks` are given in: the type itself
     /// for an [`Element`], `f32` for `bf16` and `f16`.

@@ -6,8 +6,9 @@ use ndarray::{Array4, ArrayView4};
 
 use super::KvCache;
 use crate::alloc::try_zeros;
-use crate::element::Element;
+use crate::element::Storage;
 use crate::error::{AttentionError, ErrorKind, shape_error};
+use num_traits::Zero;
 
 /// What the key buffer is called in errors.
 pub(super) const KEYS: &str = "the cache's keys [batch, kv_heads, slots, d_k]";
@@ -18,14 +19,14 @@ pub(super) const VALUES: &str = "the cache's values [batch, kv_heads, slots, d_v
 /// allocating it (`alloc` also checks the product of the nonzero lengths,
 /// which ndarray bounds even when another length is 0: a cache for batch 0
 /// with a huge capacity).
-pub(super) fn zeroed_buffer<F: Element>(
+pub(super) fn zeroed_buffer<F: Clone + Zero>(
     what: &str,
     dims: [usize; 4],
 ) -> Result<Array4<F>, AttentionError> {
     try_zeros(&format!("{what} {dims:?}"), dims)
 }
 
-impl<F: Element> KvCache<F> {
+impl<F: Storage> KvCache<F> {
     /// Checks new keys and values against the cache and each other.
     pub(super) fn check_new(
         &self,

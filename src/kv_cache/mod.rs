@@ -59,7 +59,7 @@ pub(crate) use padding::RightPadding;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4, Axis, s};
 
-use crate::element::Element;
+use crate::element::Storage;
 use crate::error::{AttentionError, ErrorKind};
 use crate::options::AttentionOptions;
 use attended::{DecodeCall, check_decode_options};
@@ -137,7 +137,7 @@ pub struct KvCache<F> {
     key_starts: Option<Vec<usize>>,
 }
 
-impl<F: Element> KvCache<F> {
+impl<F: Storage> KvCache<F> {
     /// An empty growing cache for `batch` sequences of `kv_heads` key/value
     /// heads, keys `d_k` wide and values `d_v` wide, with room for
     /// `capacity` positions before it first grows (0 is allowed).
@@ -509,7 +509,7 @@ impl<F: Element> KvCache<F> {
         q: ArrayView4<'_, F>,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        opts: &AttentionOptions<'_, F>,
+        opts: &AttentionOptions<'_, F::Compute>,
     ) -> Result<Array4<F>, AttentionError> {
         let mut out = self.output_for(&q, &k, &v)?;
         self.attend_into_prechecked(q, k, v, opts, out.view_mut())?;
@@ -528,7 +528,7 @@ impl<F: Element> KvCache<F> {
         q: ArrayView4<'_, F>,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        opts: &AttentionOptions<'_, F>,
+        opts: &AttentionOptions<'_, F::Compute>,
         out: ArrayViewMut4<'_, F>,
     ) -> Result<(), AttentionError> {
         self.check_new(&k, &v)?;
@@ -595,7 +595,7 @@ impl<F: Element> KvCache<F> {
         q: ArrayView4<'_, F>,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        opts: &AttentionOptions<'_, F>,
+        opts: &AttentionOptions<'_, F::Compute>,
     ) -> Result<Array4<F>, AttentionError> {
         let mut out = self.output_for(&q, &k, &v)?;
         check_decode_options(opts, self.window.is_some(), DecodeCall::Prefill)?;
