@@ -33,7 +33,16 @@ impl<F: Storage> KvCache<F> {
         k: &ArrayView4<'_, F>,
         v: &ArrayView4<'_, F>,
     ) -> Result<(), AttentionError> {
-        let (ks, vs) = (k.shape(), v.shape());
+        self.check_new_shapes(k.shape(), v.shape())
+    }
+
+    /// [`check_new`](Self::check_new) on the shapes of `k` and `v`, which
+    /// may be in the compute type.
+    pub(super) fn check_new_shapes(
+        &self,
+        ks: &[usize],
+        vs: &[usize],
+    ) -> Result<(), AttentionError> {
         let cache = [self.batch(), self.kv_heads(), self.d_k(), self.d_v()];
         let fits = ks[0] == cache[0]
             && vs[0] == cache[0]
@@ -60,7 +69,17 @@ impl<F: Storage> KvCache<F> {
         k: &ArrayView4<'_, F>,
         out: &[usize],
     ) -> Result<(), AttentionError> {
-        let (qs, ks) = (q.shape(), k.shape());
+        self.check_query_shapes(q.shape(), k.shape(), out)
+    }
+
+    /// [`check_queries`](Self::check_queries) on the shapes of `q` and `k`,
+    /// which may be in the compute type.
+    pub(super) fn check_query_shapes(
+        &self,
+        qs: &[usize],
+        ks: &[usize],
+        out: &[usize],
+    ) -> Result<(), AttentionError> {
         let layouts = || {
             format!(
                 "q {qs:?} = [batch, heads, n, d_k], k {ks:?} = [batch, kv_heads, n, d_k], \

@@ -536,6 +536,107 @@ impl<F: Storage> KvCache<F> {
         self.attend_into_prechecked(q, k, v, opts, out)
     }
 
+    /// [`append`](Self::append) from keys and values in the compute type:
+    /// `f32` projections into a `bf16` or `f16` cache, each element rounded
+    /// to the cache's type on the way in (to nearest, ties to even, as
+    /// `half`'s `from_f32`; NaN stays NaN). For an `f32` or `f64` cache this
+    /// is `append`.
+    ///
+    /// # Errors
+    /// As [`append`](Self::append), and [`ErrorKind::TooLarge`] or
+    /// [`ErrorKind::OutOfMemory`] when the rounded copy of `k` or `v`
+    /// cannot be addressed or allocated. The cache is unchanged on error.
+    ///
+    /// ```
+    /// # #[cfg(feature = "half")] {
+    /// use half::bf16;
+    /// use ndarray::Array4;
+    /// use sdpa::KvCache;
+    ///
+    /// let mut cache = KvCache::<bf16>::new(1, 1, 4, 4, 8)?;
+    /// let x = Array4::<f32>::from_elem((1, 1, 2, 4), 1.0 + 1.0 / 1024.0);
+    /// cache.append_compute(x.view(), x.view())?;
+    /// // 1 + 2⁻¹⁰ is not a bf16 (8 bits of mantissa): it is stored as 1.
+    /// assert!(cache.keys().iter().all(|&k| k == bf16::ONE));
+    /// # }
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn append_compute(
+        &mut self,
+        k: ArrayView4<'_, F::Compute>,
+        v: ArrayView4<'_, F::Compute>,
+    ) -> Result<(), AttentionError> {
+        self.check_new_shapes(k.shape(), v.shape())?;
+        let (k, v) = (rounded(KEYS, k)?, rounded(VALUES, v)?);
+        self.append(k.view(), v.view())
+    }
+
+    /// [`attend`](Self::attend) with `q`, `k`, `v` and the output in the
+    /// compute type: the decoding step of a model that computes in `f32`
+    /// and keeps its cache in `bf16` or `f16` (half the memory, and half
+    /// the bytes each step reads). `k` and `v` are rounded to the cache's
+    /// type as in [`append_compute`](Self::append_compute) before anything
+    /// attends to them, so the new queries see the keys and values as the
+    /// cache holds them, as later steps will; `q` is not rounded, and the
+    /// output is not rounded either. Softmax and accumulation are in `f32`
+    /// whatever the storage. For an `f32` or `f64` cache this is `attend`.
+    ///
+    /// # Errors
+    /// As [`attend`](Self::attend) and
+    /// [`append_compute`](Self::append_compute). The cache is unchanged on
+    /// error.
+    pub fn attend_compute(
+        &mut self,
+        q: ArrayView4<'_, F::Compute>,
+        k: ArrayView4<'_, F::Compute>,
+        v: ArrayView4<'_, F::Compute>,
+    ) -> Result<Array4<F::Compute>, AttentionError> {
+        self.attend_compute_with(q, k, v, &AttentionOptions::new())
+    }
+
+    /// [`attend_compute`](Self::attend_compute) with options, as
+    /// [`attend_with`](Self::attend_with) takes them.
+    ///
+    /// # Errors
+    /// As [`attend_with`](Self::attend_with) and
+    /// [`append_compute`](Self::append_compute). The cache is unchanged on
+    /// error.
+    ///
+    /// ```
+    /// # #[cfg(feature = "half")] {
+    /// use half::f16;
+    /// use ndarray::Array4;
+    /// use sdpa::{AttentionOptions, KvCache};
+    ///
+    /// // An f32 model with an f16 cache: 4 query heads over 2 key/value heads.
+    /// let mut cache = KvCache::<f16>::new(1, 2, 16, 16, 64)?;
+    /// let q = Array4::<f32>::from_shape_fn((1, 4, 1, 16), |(_, h, _, d)| (h + d) as f32 * 0.1);
+    /// let kv = Array4::<f32>::from_shape_fn((1, 2, 1, 16), |(_, h, _, d)| (h * d) as f32 * 0.01);
+    /// let opts = AttentionOptions::new().softcap(30.0);
+    /// let out: Array4<f32> = cache.attend_compute_with(q.view(), kv.view(), kv.view(), &opts)?;
+    /// assert_eq!((out.dim(), cache.len()), ((1, 4, 1, 16), 1));
+    /// # }
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn attend_compute_with(
+        &mut self,
+        q: ArrayView4<'_, F::Compute>,
+        k: ArrayView4<'_, F::Compute>,
+        v: ArrayView4<'_, F::Compute>,
+        opts: &AttentionOptions<'_, F::Compute>,
+    ) -> Result<Array4<F::Compute>, AttentionError> {
+        self.check_new_shapes(k.shape(), v.shape())?;
+        let (batch, heads, n, _) = q.dim();
+        let shape = [batch, heads, n, self.d_v()];
+        self.check_query_shapes(q.shape(), k.shape(), &shape)?;
+        let (k, v) = (rounded(KEYS, k)?, rounded(VALUES, v)?);
+        let mut out = zeroed_buffer("the output [batch, heads, n, d_v]", shape)?;
+        self.attend_next_with(k.view(), v.view(), opts, |attended| {
+            attended.attend_compute_into(q, out.view_mut())
+        })?;
+        Ok(out)
+    }
+
     /// Starts new sequences: clears the cache, then attends the prompt's
     /// queries `q` `[batch, heads, n, d_k]` causally over its keys `k` and
     /// values `v` (within the window, in a ring), with `opts` as in
@@ -635,4 +736,18 @@ impl<F: Storage> KvCache<F> {
         self.check_queries(q, k, &shape)?;
         zeroed_buffer("the output [batch, heads, n, d_v]", shape)
     }
+}
+
+/// `x`, in the compute type, rounded to the storage type `F` (the identity
+/// for an `f32` or `f64` cache), or the error of allocating the copy.
+fn rounded<F: Storage>(
+    what: &str,
+    x: ArrayView4<'_, F::Compute>,
+) -> Result<Array4<F>, AttentionError> {
+    let mut copy = zeroed_buffer(
+        &format!("a copy of the new entries for {what}"),
+        x.dim().into(),
+    )?;
+    copy.assign(&x);
+    F::from_compute(copy)
 }
