@@ -7,16 +7,23 @@
 //! ([`sdpa::simd::read_rate`]), measured just before, and decoding's
 //! fraction of it: the floor of a memory-bound call.
 //!
+//! With `DTYPE=bf16` or `DTYPE=f16` it also times a `KvCache` step (the
+//! `S`-th token appended and attended, `f32` projections) on an `f32`
+//! cache and on a cache of that type, per kernel set in the same run, and
+//! prints the half cache's time as a fraction of the `f32` cache's: the
+//! half cache reads half the bytes.
+//!
 //! ```text
 //! cargo run --release --example decode
 //! RAYON_NUM_THREADS=1 H=32 D=128 cargo run --release --example decode -- 4096 16384
+//! RAYON_NUM_THREADS=1 DTYPE=bf16 cargo run --release --example decode -- 4096 16384
 //! ```
 
 use std::time::Instant;
 
-use ndarray::Array4;
-use sdpa::AttentionOptions;
+use ndarray::{Array4, s};
 use sdpa::simd::{KernelSet, available_kernel_sets, read_rate};
+use sdpa::{AttentionOptions, KvCache, Storage};
 
 #[path = "support/machine.rs"]
 mod machine;
@@ -47,7 +54,32 @@ fn median_seconds(mut f: impl FnMut()) -> f64 {
     times[times.len() / 2]
 }
 
+/// Median seconds of one decoding step on a `KvCache<H>` holding the
+/// first `S − 1` positions of `k`, `v`: the last one appended and attended
+/// (`f32` projections, rounded on write for a half cache), then truncated
+/// away again (which only moves the length) for the next run.
+fn cache_step<H: Storage<Compute = f32>>(
+    set: KernelSet,
+    q: &Array4<f32>,
+    k: &Array4<f32>,
+    v: &Array4<f32>,
+) -> f64 {
+    let (_, heads, len_kv, d) = k.dim();
+    let mut cache = KvCache::<H>::new(1, heads, d, d, len_kv).expect("room for the cache");
+    let (held, last) = (s![.., .., ..len_kv - 1, ..], s![.., .., len_kv - 1.., ..]);
+    cache
+        .append_compute(k.slice(held), v.slice(held))
+        .expect("valid shapes");
+    median_seconds_on(set, || {
+        cache.truncate(len_kv - 1).expect("a growing cache");
+        cache
+            .attend_compute(q.view(), k.slice(last), v.slice(last))
+            .expect("valid shapes");
+    })
+}
+
 fn main() {
+    let dtype = std::env::var("DTYPE").unwrap_or_default();
     let lengths: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())
@@ -94,6 +126,27 @@ fn main() {
                 "  sdpa_{set} {rate:.1} GB/s ({:.2} ms; read {read:.1} GB/s, {:.0}%)",
                 seconds * 1e3,
                 100.0 * rate / read
+            );
+        }
+        println!();
+        let half_step: fn(KernelSet, &Array4<f32>, &Array4<f32>, &Array4<f32>) -> f64 =
+            match dtype.as_str() {
+                #[cfg(feature = "half")]
+                "bf16" => cache_step::<sdpa::half::bf16>,
+                #[cfg(feature = "half")]
+                "f16" => cache_step::<sdpa::half::f16>,
+                _ => continue,
+            };
+        print!("cache step H={heads} d={d} S={len_kv}:");
+        for &set in &sets {
+            let f32_step = cache_step::<f32>(set, &q, &k, &v);
+            let step = half_step(set, &q, &k, &v);
+            print!(
+                "  {set}: f32 {:.2} ms, {dtype} {:.2} ms ({:.2}x, {:.1} GB/s)",
+                f32_step * 1e3,
+                step * 1e3,
+                step / f32_step,
+                bytes / 2.0 / step / 1e9
             );
         }
         println!();
