@@ -82,6 +82,22 @@ use check::{KEYS, VALUES, check_dims, zeroed_buffer};
 /// [`CausalAttention::prefill`](crate::CausalAttention::prefill) and
 /// [`step`](crate::CausalAttention::step) do the projections too.
 ///
+/// **Half precision** (feature `half`): `KvCache<half::bf16>` and
+/// `KvCache<half::f16>` store the keys and values in that type, half the
+/// memory of an `f32` cache. Softmax and accumulation are in `f32`, and the
+/// options are `AttentionOptions<f32>` (as for the functional API's half
+/// calls). [`append`](Self::append), [`attend`](Self::attend) and
+/// [`prefill`](Self::prefill) take `q`, `k`, `v` and return the output in
+/// the cache's type; [`append_compute`](Self::append_compute) and
+/// [`attend_compute_with`](Self::attend_compute_with) take `f32`
+/// projections (rounded to the cache's type on write, to nearest-even) and
+/// return `f32`. A decoding step reads the cache in its own type, half the
+/// bytes of an `f32` cache's step: each 64-key tile is widened to `f32`
+/// into a scratch tile the `f32` kernels read (the cache is never widened
+/// whole), when the head dims are whole vectors of the kernel set (a
+/// multiple of 16 covers them all); other shapes, and prompts of more than
+/// 8 queries, widen the keys and values whole and take the `f32` path.
+///
 /// The cache holds `batch` sequences decoded in lockstep: every step
 /// appends the same number of positions to each. Sequences of different
 /// lengths start from a padded prompt (see [`prefill`](Self::prefill)).
