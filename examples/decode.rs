@@ -54,6 +54,9 @@ fn median_seconds(mut f: impl FnMut()) -> f64 {
     times[times.len() / 2]
 }
 
+/// [`paired_steps`] for one half type.
+type PairedSteps = fn(KernelSet, &Array4<f32>, &Array4<f32>, &Array4<f32>) -> (f64, f64, f64);
+
 /// A `KvCache<H>` holding the first `S − 1` positions of `k`, `v`.
 fn filled_cache<H: Storage<Compute = f32>>(k: &Array4<f32>, v: &Array4<f32>) -> KvCache<H> {
     let (_, heads, len_kv, d) = k.dim();
@@ -171,14 +174,13 @@ fn main() {
             );
         }
         println!();
-        let paired: fn(KernelSet, &Array4<f32>, &Array4<f32>, &Array4<f32>) -> (f64, f64, f64) =
-            match dtype.as_str() {
-                #[cfg(feature = "half")]
-                "bf16" => paired_steps::<sdpa::half::bf16>,
-                #[cfg(feature = "half")]
-                "f16" => paired_steps::<sdpa::half::f16>,
-                _ => continue,
-            };
+        let paired: PairedSteps = match dtype.as_str() {
+            #[cfg(feature = "half")]
+            "bf16" => paired_steps::<sdpa::half::bf16>,
+            #[cfg(feature = "half")]
+            "f16" => paired_steps::<sdpa::half::f16>,
+            _ => continue,
+        };
         print!("cache step H={heads} d={d} S={len_kv}:");
         for &set in &sets {
             let (f32_step, step, ratio) = paired(set, &q, &k, &v);
