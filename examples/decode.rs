@@ -21,9 +21,13 @@
 
 use std::time::Instant;
 
-use ndarray::{Array4, s};
+use ndarray::Array4;
+#[cfg(feature = "half")]
+use ndarray::s;
+use sdpa::AttentionOptions;
 use sdpa::simd::{KernelSet, available_kernel_sets, read_rate};
-use sdpa::{AttentionOptions, KvCache, Storage};
+#[cfg(feature = "half")]
+use sdpa::{KvCache, Storage};
 
 #[path = "support/machine.rs"]
 mod machine;
@@ -55,9 +59,11 @@ fn median_seconds(mut f: impl FnMut()) -> f64 {
 }
 
 /// [`paired_steps`] for one half type.
+#[cfg(feature = "half")]
 type PairedSteps = fn(KernelSet, &Array4<f32>, &Array4<f32>, &Array4<f32>) -> (f64, f64, f64);
 
 /// A `KvCache<H>` holding the first `S − 1` positions of `k`, `v`.
+#[cfg(feature = "half")]
 fn filled_cache<H: Storage<Compute = f32>>(k: &Array4<f32>, v: &Array4<f32>) -> KvCache<H> {
     let (_, heads, len_kv, d) = k.dim();
     let mut cache = KvCache::<H>::new(1, heads, d, d, len_kv).expect("room for the cache");
@@ -71,6 +77,7 @@ fn filled_cache<H: Storage<Compute = f32>>(k: &Array4<f32>, v: &Array4<f32>) -> 
 /// One decoding step on `cache`: the `S`-th position appended and
 /// attended (`f32` projections, rounded on write for a half cache), then
 /// truncated away again (which only moves the length) for the next run.
+#[cfg(feature = "half")]
 fn cache_step<H: Storage<Compute = f32>>(
     cache: &mut KvCache<H>,
     q: &Array4<f32>,
@@ -89,6 +96,7 @@ fn cache_step<H: Storage<Compute = f32>>(
 /// median of their ratios, over 9 pairs run alternately on kernel set
 /// `set` after a warm-up: both see the same machine load, which on a
 /// shared machine moves more than either's own variation.
+#[cfg(feature = "half")]
 fn paired_steps<H: Storage<Compute = f32>>(
     set: KernelSet,
     q: &Array4<f32>,
@@ -124,6 +132,7 @@ fn paired_steps<H: Storage<Compute = f32>>(
 }
 
 fn main() {
+    #[cfg(feature = "half")]
     let dtype = std::env::var("DTYPE").unwrap_or_default();
     let lengths: Vec<usize> = std::env::args()
         .skip(1)
@@ -174,23 +183,24 @@ fn main() {
             );
         }
         println!();
-        let paired: PairedSteps = match dtype.as_str() {
-            #[cfg(feature = "half")]
-            "bf16" => paired_steps::<sdpa::half::bf16>,
-            #[cfg(feature = "half")]
-            "f16" => paired_steps::<sdpa::half::f16>,
-            _ => continue,
-        };
-        print!("cache step H={heads} d={d} S={len_kv}:");
-        for &set in &sets {
-            let (f32_step, step, ratio) = paired(set, &q, &k, &v);
-            print!(
-                "  {set}: f32 {:.2} ms, {dtype} {:.2} ms ({ratio:.2}x, {:.1} GB/s)",
-                f32_step * 1e3,
-                step * 1e3,
-                bytes / 2.0 / step / 1e9
-            );
+        #[cfg(feature = "half")]
+        {
+            let paired: PairedSteps = match dtype.as_str() {
+                "bf16" => paired_steps::<sdpa::half::bf16>,
+                "f16" => paired_steps::<sdpa::half::f16>,
+                _ => continue,
+            };
+            print!("cache step H={heads} d={d} S={len_kv}:");
+            for &set in &sets {
+                let (f32_step, step, ratio) = paired(set, &q, &k, &v);
+                print!(
+                    "  {set}: f32 {:.2} ms, {dtype} {:.2} ms ({ratio:.2}x, {:.1} GB/s)",
+                    f32_step * 1e3,
+                    step * 1e3,
+                    bytes / 2.0 / step / 1e9
+                );
+            }
+            println!();
         }
-        println!();
     }
 }

@@ -64,6 +64,7 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
     /// The kernel set this is: its instruction set, which a value of the
     /// type proves, so code outside the trampoline (the conversions of
     /// `convert.rs`) may rely on it.
+    #[cfg_attr(not(any(test, feature = "half")), allow(dead_code))]
     const SET: super::KernelSet;
     /// Query rows per register tile: tiles have a multiple of this many rows.
     const ROWS: usize;
