@@ -95,6 +95,24 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
+    /// Prefetches element `i` of the run that follows `src` in memory (into
+    /// L2): a decoding step widens a head's keys (and values) one key tile
+    /// at a time, each tile right after the last, with the kernels' work in
+    /// between, so without this every tile starts with the hardware
+    /// prefetcher cold (measured: the widening took 68% of a bf16 step, at
+    /// a third of the read rate). A prefetch never faults, so past the end
+    /// of the buffer it is only wasted.
+    #[inline(always)]
+    fn prefetch_next_run(src: &[u16], i: usize) {
+        // Once per 64-byte line (32 elements).
+        if i % 32 == 0 {
+            let ahead = src.as_ptr().wrapping_add(src.len() + i);
+            // SAFETY: a prefetch reads nothing the program can observe and
+            // cannot fault; `wrapping_add` makes no claim about the pointer.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(ahead.cast()) };
+        }
+    }
+
     /// `bf16` bits to `f32`, 16 at a time.
     ///
     /// # Safety
@@ -112,6 +130,7 @@ mod x86 {
             // SAFETY: `i + 16 ≤ whole ≤ len` for both slices, and the loads
             // and stores are unaligned.
             unsafe {
+                prefetch_next_run(src, i);
                 let x = _mm256_loadu_si256(src.as_ptr().add(i).cast());
                 let bits = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(x));
                 // A NaN (magnitude above infinity's) gets its quiet bit.
@@ -140,6 +159,7 @@ mod x86 {
             // SAFETY: `i + 8 ≤ whole ≤ len` for both slices, and the loads
             // and stores are unaligned.
             unsafe {
+                prefetch_next_run(src, i);
                 let x = _mm_loadu_si128(src.as_ptr().add(i).cast());
                 let bits = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(x));
                 // A NaN (magnitude above infinity's, a signed compare of
@@ -165,6 +185,7 @@ mod x86 {
             // SAFETY: `i + 16 ≤ whole ≤ len` for both slices, and the loads
             // and stores are unaligned.
             unsafe {
+                prefetch_next_run(src, i);
                 let x = _mm256_loadu_si256(src.as_ptr().add(i).cast());
                 _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_cvtph_ps(x));
             }
@@ -184,6 +205,7 @@ mod x86 {
             // SAFETY: `i + 8 ≤ whole ≤ len` for both slices, and the loads
             // and stores are unaligned.
             unsafe {
+                prefetch_next_run(src, i);
                 let x = _mm_loadu_si128(src.as_ptr().add(i).cast());
                 _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(x));
             }
