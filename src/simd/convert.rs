@@ -105,7 +105,7 @@ mod x86 {
     #[inline(always)]
     fn prefetch_next_run(src: &[u16], i: usize) {
         // Once per 64-byte line (32 elements).
-        if i % 32 == 0 {
+        if i.is_multiple_of(32) {
             let ahead = src.as_ptr().wrapping_add(src.len() + i);
             // SAFETY: a prefetch reads nothing the program can observe and
             // cannot fault; `wrapping_add` makes no claim about the pointer.
