@@ -7,16 +7,27 @@
 //! ([`sdpa::simd::read_rate`]), measured just before, and decoding's
 //! fraction of it: the floor of a memory-bound call.
 //!
+//! With `DTYPE=bf16` or `DTYPE=f16` it also times a `KvCache` step (the
+//! `S`-th token appended and attended, `f32` projections) on an `f32`
+//! cache and on a cache of that type, per kernel set in the same run, and
+//! prints the half cache's time as a fraction of the `f32` cache's: the
+//! half cache reads half the bytes.
+//!
 //! ```text
 //! cargo run --release --example decode
 //! RAYON_NUM_THREADS=1 H=32 D=128 cargo run --release --example decode -- 4096 16384
+//! RAYON_NUM_THREADS=1 DTYPE=bf16 cargo run --release --example decode -- 4096 16384
 //! ```
 
 use std::time::Instant;
 
 use ndarray::Array4;
+#[cfg(feature = "half")]
+use ndarray::s;
 use sdpa::AttentionOptions;
 use sdpa::simd::{KernelSet, available_kernel_sets, read_rate};
+#[cfg(feature = "half")]
+use sdpa::{KvCache, Storage};
 
 #[path = "support/machine.rs"]
 mod machine;
@@ -47,7 +58,82 @@ fn median_seconds(mut f: impl FnMut()) -> f64 {
     times[times.len() / 2]
 }
 
+/// [`paired_steps`] for one half type.
+#[cfg(feature = "half")]
+type PairedSteps = fn(KernelSet, &Array4<f32>, &Array4<f32>, &Array4<f32>) -> (f64, f64, f64);
+
+/// A `KvCache<H>` holding the first `S − 1` positions of `k`, `v`.
+#[cfg(feature = "half")]
+fn filled_cache<H: Storage<Compute = f32>>(k: &Array4<f32>, v: &Array4<f32>) -> KvCache<H> {
+    let (_, heads, len_kv, d) = k.dim();
+    let mut cache = KvCache::<H>::new(1, heads, d, d, len_kv).expect("room for the cache");
+    let held = s![.., .., ..len_kv - 1, ..];
+    cache
+        .append_compute(k.slice(held), v.slice(held))
+        .expect("valid shapes");
+    cache
+}
+
+/// One decoding step on `cache`: the `S`-th position appended and
+/// attended (`f32` projections, rounded on write for a half cache), then
+/// truncated away again (which only moves the length) for the next run.
+#[cfg(feature = "half")]
+fn cache_step<H: Storage<Compute = f32>>(
+    cache: &mut KvCache<H>,
+    q: &Array4<f32>,
+    k: &Array4<f32>,
+    v: &Array4<f32>,
+) {
+    let len_kv = k.dim().2;
+    let last = s![.., .., len_kv - 1.., ..];
+    cache.truncate(len_kv - 1).expect("a growing cache");
+    cache
+        .attend_compute(q.view(), k.slice(last), v.slice(last))
+        .expect("valid shapes");
+}
+
+/// Median seconds of an `f32` cache's step and an `H` cache's, and the
+/// median of their ratios, over 9 pairs run alternately on kernel set
+/// `set` after a warm-up: both see the same machine load, which on a
+/// shared machine moves more than either's own variation.
+#[cfg(feature = "half")]
+fn paired_steps<H: Storage<Compute = f32>>(
+    set: KernelSet,
+    q: &Array4<f32>,
+    k: &Array4<f32>,
+    v: &Array4<f32>,
+) -> (f64, f64, f64) {
+    let (mut full, mut half) = (filled_cache::<f32>(k, v), filled_cache::<H>(k, v));
+    sdpa::simd::with_kernel_set(set, || {
+        let time = |f: &mut dyn FnMut()| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        };
+        cache_step(&mut full, q, k, v);
+        cache_step(&mut half, q, k, v);
+        let mut pairs: Vec<(f64, f64)> = (0..9)
+            .map(|_| {
+                let a = time(&mut || cache_step(&mut full, q, k, v));
+                let b = time(&mut || cache_step(&mut half, q, k, v));
+                (a, b)
+            })
+            .collect();
+        let median = |mut x: Vec<f64>| {
+            x.sort_by(f64::total_cmp);
+            x[x.len() / 2]
+        };
+        let ratio = median(pairs.iter().map(|(a, b)| b / a).collect());
+        pairs.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let f32_step = pairs[pairs.len() / 2].0;
+        (f32_step, median(pairs.iter().map(|p| p.1).collect()), ratio)
+    })
+    .expect("an available kernel set")
+}
+
 fn main() {
+    #[cfg(feature = "half")]
+    let dtype = std::env::var("DTYPE").unwrap_or_default();
     let lengths: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())
@@ -97,5 +183,24 @@ fn main() {
             );
         }
         println!();
+        #[cfg(feature = "half")]
+        {
+            let paired: PairedSteps = match dtype.as_str() {
+                "bf16" => paired_steps::<sdpa::half::bf16>,
+                "f16" => paired_steps::<sdpa::half::f16>,
+                _ => continue,
+            };
+            print!("cache step H={heads} d={d} S={len_kv}:");
+            for &set in &sets {
+                let (f32_step, step, ratio) = paired(set, &q, &k, &v);
+                print!(
+                    "  {set}: f32 {:.2} ms, {dtype} {:.2} ms ({ratio:.2}x, {:.1} GB/s)",
+                    f32_step * 1e3,
+                    step * 1e3,
+                    bytes / 2.0 / step / 1e9
+                );
+            }
+            println!();
+        }
     }
 }

@@ -50,11 +50,15 @@ impl AttentionShape {
 /// options, the dimensions and the scale to use. It borrows what the caller
 /// passed, under one lifetime (ndarray's views are invariant in theirs, so
 /// the views and options are reborrowed rather than moved).
+///
+/// The keys and values are stored in `KV`: the compute type `F` itself,
+/// except for a half-precision `KvCache`'s decoding step, whose keys and
+/// values stay in `bf16`/`f16` and are widened tile by tile.
 #[derive(Debug, Clone)]
-pub(crate) struct Call<'a, F> {
+pub(crate) struct Call<'a, F, KV = F> {
     pub q: ArrayView4<'a, F>,
-    pub k: ArrayView4<'a, F>,
-    pub v: ArrayView4<'a, F>,
+    pub k: ArrayView4<'a, KV>,
+    pub v: ArrayView4<'a, KV>,
     pub opts: AttentionOptions<'a, F>,
     pub shape: AttentionShape,
     pub scale: F,
@@ -71,12 +75,12 @@ pub(crate) struct BackwardCall<'a, F> {
 }
 
 /// Checks `q`, `k`, `v` and the options against each other.
-pub(crate) fn check<'a, F: Element>(
+pub(crate) fn check<'a, F: Element, KV>(
     q: &'a ArrayView4<'_, F>,
-    k: &'a ArrayView4<'_, F>,
-    v: &'a ArrayView4<'_, F>,
+    k: &'a ArrayView4<'_, KV>,
+    v: &'a ArrayView4<'_, KV>,
     opts: &'a AttentionOptions<'_, F>,
-) -> Result<Call<'a, F>, AttentionError> {
+) -> Result<Call<'a, F, KV>, AttentionError> {
     let shape = check_shapes(&PADDED, q.shape(), k.shape(), v.shape())?;
     let layouts = || (PADDED.describe)(q.shape(), k.shape(), v.shape());
     let total_len_kv = match opts.key_shard {

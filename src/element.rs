@@ -22,7 +22,9 @@ use num_traits::Float;
 pub(crate) mod sealed {
     #[cfg(feature = "half")]
     use half::slice::HalfFloatSliceExt;
-    use ndarray::{Array, ArrayView, ArrayViewMut3, ArrayViewMut4, CowArray, Dimension};
+    use ndarray::{
+        Array, ArrayView, ArrayView4, ArrayViewMut3, ArrayViewMut4, CowArray, Dimension,
+    };
 
     use super::Storage;
     #[cfg(feature = "half")]
@@ -163,6 +165,23 @@ pub(crate) mod sealed {
         where
             Self: Storage;
 
+        /// Attention of `q` (in the compute type) over `k` and `v` stored in
+        /// this type, into `out` and, when given, `log_sum_exp` (in the
+        /// compute type, of the output's shape): a `KvCache`'s attention
+        /// over what it holds. An `Element` runs its own path; a half type
+        /// widens the keys and values tile by tile as a decoding step reads
+        /// them (`fused::forward_stored`), never the whole cache at once.
+        fn attend_stored(
+            q: ArrayView4<'_, <Self as Storage>::Compute>,
+            k: ArrayView4<'_, Self>,
+            v: ArrayView4<'_, Self>,
+            opts: &AttentionOptions<'_, <Self as Storage>::Compute>,
+            out: ArrayViewMut4<'_, <Self as Storage>::Compute>,
+            log_sum_exp: Option<ArrayViewMut3<'_, <Self as Storage>::Compute>>,
+        ) -> Result<(), AttentionError>
+        where
+            Self: Storage;
+
         /// Runs `f` on `opts` with its scalars and bias in the reference type.
         fn with_reference_options<R>(
             opts: &AttentionOptions<'_, <Self as Storage>::Compute>,
@@ -241,6 +260,19 @@ pub(crate) mod sealed {
                     f: impl FnOnce(&AttentionOptions<'_, $t>) -> Result<R, AttentionError>,
                 ) -> Result<R, AttentionError> {
                     f(opts)
+                }
+
+                fn attend_stored(
+                    q: ArrayView4<'_, $t>,
+                    k: ArrayView4<'_, $t>,
+                    v: ArrayView4<'_, $t>,
+                    opts: &AttentionOptions<'_, $t>,
+                    out: ArrayViewMut4<'_, $t>,
+                    log_sum_exp: Option<ArrayViewMut3<'_, $t>>,
+                ) -> Result<(), AttentionError> {
+                    let call = crate::call::check(&q, &k, &v, opts)?;
+                    crate::call::check_output(&call.shape, out.shape())?;
+                    <$t as Sealed>::forward(&call, out, log_sum_exp)
                 }
             }
         };
@@ -344,6 +376,19 @@ pub(crate) mod sealed {
                 ) -> Result<R, AttentionError> {
                     opts.with_f64(f)
                 }
+
+                fn attend_stored(
+                    q: ArrayView4<'_, f32>,
+                    k: ArrayView4<'_, $t>,
+                    v: ArrayView4<'_, $t>,
+                    opts: &AttentionOptions<'_, f32>,
+                    out: ArrayViewMut4<'_, f32>,
+                    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
+                ) -> Result<(), AttentionError> {
+                    let call = crate::call::check(&q, &k, &v, opts)?;
+                    crate::call::check_output(&call.shape, out.shape())?;
+                    crate::fused::forward_stored(&call, out, log_sum_exp)
+                }
             }
         };
     }
@@ -437,7 +482,9 @@ pub(crate) mod sealed {
 /// # }
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
-pub trait Storage: Copy + Debug + Display + Send + Sync + 'static + sealed::Convert {
+pub trait Storage:
+    Copy + Debug + Display + Send + Sync + 'static + num_traits::Zero + sealed::Convert
+{
     /// The type the fast path computes in, which the call's options, the
     /// log-sum-exp, `d_bias` and `d_sinks` are given in: the type itself
     /// for an [`Element`], `f32` for `bf16` and `f16`.

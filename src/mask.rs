@@ -89,7 +89,7 @@ pub(crate) fn broadcast_row<'v, T>(
         .index_axis_move(Axis(0), broadcast(shape[2], i))
 }
 
-impl<F: Copy> Call<'_, F> {
+impl<F: Copy, KV> Call<'_, F, KV> {
     /// Index in the whole key sequence of the call's key 0 (see
     /// [`AttentionOptions::key_shard`](crate::AttentionOptions::key_shard)).
     pub(crate) fn key_offset(&self) -> usize {
@@ -181,14 +181,14 @@ impl<F: Copy> Call<'_, F> {
         scores: ArrayViewMut1<'_, F>,
     ) where
         F: Float,
+        KV: Float,
     {
-        let all_finite = |row: ArrayView1<'_, F>| row.iter().all(|x| x.is_finite());
-        if !all_finite(head(&self.q, b, h).row(i)) {
+        if !head(&self.q, b, h).row(i).iter().all(|x| x.is_finite()) {
             return;
         }
         let keys = head(&self.k, b, self.shape.kv_head(h));
         for (j, score) in (j0..).zip(scores) {
-            if !score.is_finite() && all_finite(keys.row(j)) {
+            if !score.is_finite() && keys.row(j).iter().all(|x| x.is_finite()) {
                 *score = F::nan();
             }
         }

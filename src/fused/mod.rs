@@ -144,3 +144,59 @@ pub(crate) fn backward(
     let job = backward::Backward { call, gradients };
     simd::with_kernel(simd::current_kernel_set()?, job)?
 }
+
+/// Attention over keys and values stored in half precision `H` (a
+/// half-precision `KvCache`'s), `q`, `out` and the log-sum-exp in `f32`.
+///
+/// A decoding step the kernels can read in place (few queries, head dims
+/// whole vectors of the kernel set, rows contiguous) widens one key tile
+/// at a time (`decode::decode_widened`): it reads half the bytes an `f32`
+/// cache's step reads. Anything else (a prefill, odd head dims) widens
+/// `k` and `v` whole and runs the `f32` path, which packs them anyway.
+///
+/// # Errors
+/// As [`forward`], and when the widened copies cannot be allocated.
+#[cfg(feature = "half")]
+pub(crate) fn forward_stored<H>(
+    call: &Call<'_, f32, H>,
+    out: ArrayViewMut4<'_, f32>,
+    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
+) -> Result<(), AttentionError>
+where
+    H: simd::Widen + crate::element::Storage<Compute = f32> + num_traits::Float,
+{
+    /// Whether the step reads keys in place on the kernel set.
+    struct InPlace<'c, 'a, H>(&'c Call<'a, f32, H>);
+    impl<H> simd::WithKernel for InPlace<'_, '_, H> {
+        type Output = bool;
+        fn run<K: simd::Kernel>(self, _kernel: K) -> bool {
+            decode::reads_keys_in_place::<K>(self.0)
+        }
+    }
+    /// The widened decoding step.
+    struct Widened<'c, 'a, 'o, H> {
+        call: &'c Call<'a, f32, H>,
+        out: ArrayViewMut4<'o, f32>,
+        log_sum_exp: Option<ArrayViewMut3<'o, f32>>,
+    }
+    impl<H: simd::Widen + num_traits::Float> simd::WithKernel for Widened<'_, '_, '_, H> {
+        type Output = Result<(), AttentionError>;
+        fn run<K: simd::Kernel>(self, kernel: K) -> Self::Output {
+            decode::decode_widened(kernel, self.call, self.out, self.log_sum_exp)
+        }
+    }
+
+    let set = simd::current_kernel_set()?;
+    if simd::with_kernel(set, InPlace(call))? {
+        let job = Widened {
+            call,
+            out,
+            log_sum_exp,
+        };
+        return simd::with_kernel(set, job)?;
+    }
+    let (k, v) = (H::to_compute(call.k.view())?, H::to_compute(call.v.view())?);
+    let (k, v) = (k.view(), v.view());
+    let widened = crate::call::check(&call.q, &k, &v, &call.opts)?;
+    forward(&widened, out, log_sum_exp)
+}

@@ -7,6 +7,7 @@
 use std::ops::Range;
 
 use ndarray::{ArrayView2, ArrayViewMut1, ArrayViewMut2, s};
+use num_traits::Float;
 
 use super::KEY_TILE;
 use super::scratch::Scratch;
@@ -38,7 +39,7 @@ pub(crate) struct TileSpan {
 }
 
 impl TileSpan {
-    pub(crate) fn of(at: &TilePosition, call: &Call<'_, f32>) -> Self {
+    pub(crate) fn of<KV>(at: &TilePosition, call: &Call<'_, f32, KV>) -> Self {
         let mut span = TileSpan {
             min_start: usize::MAX,
             max_start: 0,
@@ -62,7 +63,7 @@ impl TileSpan {
 
     /// Whether the key tile at `j0` needs the element-wise mask: a keep
     /// mask, or a row's range (or the end of the keys) cutting through it.
-    pub(crate) fn needs_mask(&self, j0: usize, call: &Call<'_, f32>) -> bool {
+    pub(crate) fn needs_mask<KV>(&self, j0: usize, call: &Call<'_, f32, KV>) -> bool {
         call.opts.keep_mask.is_some() || j0 + KEY_TILE > self.min_end || j0 < self.max_start
     }
 }
@@ -71,7 +72,12 @@ impl TileSpan {
 /// and keys whose product overflowed ([`Call::mark_overflowed_scores`]).
 /// Finite scores, the common case even when a bound said they might not
 /// be, cost one pass.
-fn mark_overflowed_scores(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call<'_, f32>) {
+fn mark_overflowed_scores<KV: Float>(
+    scores: &mut [f32],
+    at: &TilePosition,
+    j0: usize,
+    call: &Call<'_, f32, KV>,
+) {
     let keys = KEY_TILE.min(call.shape.len_kv - j0);
     for (r, row) in scores.chunks_exact_mut(KEY_TILE).take(at.rows).enumerate() {
         let row = &mut row[..keys];
@@ -84,7 +90,12 @@ fn mark_overflowed_scores(scores: &mut [f32], at: &TilePosition, j0: usize, call
 
 /// Adds the bias, if any, to the scores (row stride `KEY_TILE`) of the
 /// tile's real rows and keys.
-pub(crate) fn add_bias(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call<'_, f32>) {
+pub(crate) fn add_bias<KV>(
+    scores: &mut [f32],
+    at: &TilePosition,
+    j0: usize,
+    call: &Call<'_, f32, KV>,
+) {
     if call.opts.bias.is_none() {
         return;
     }
@@ -135,7 +146,12 @@ const KEY_COLUMNS: [f32; KEY_TILE] = {
 /// Adds ALiBi's `slope·(j − p_i)`, if the call has ALiBi, to the scores
 /// (row stride `KEY_TILE`) of the tile's real rows and keys. Distances are
 /// exact in `f32` below 2²⁴ positions.
-pub(crate) fn add_alibi(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call<'_, f32>) {
+pub(crate) fn add_alibi<KV>(
+    scores: &mut [f32],
+    at: &TilePosition,
+    j0: usize,
+    call: &Call<'_, f32, KV>,
+) {
     if call.opts.alibi.is_none() {
         return;
     }
@@ -154,7 +170,7 @@ pub(crate) fn add_alibi(scores: &mut [f32], at: &TilePosition, j0: usize, call: 
 
 /// Sets the scores (row stride `KEY_TILE`) of keys a row may not see, and
 /// of padding keys, to `−inf`.
-pub(crate) fn mask(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call<'_, f32>) {
+pub(crate) fn mask<KV>(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call<'_, f32, KV>) {
     for r in 0..at.rows {
         let visible = call.visible_keys(at.b, at.h, at.i0 + r);
         let scores = &mut scores[r * KEY_TILE..][..KEY_TILE];
@@ -180,6 +196,13 @@ pub(crate) fn mask(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call
 pub(crate) trait KeySource {
     /// Rows the scores kernel computes for a tile of `rows` real rows.
     fn computed_rows<K: Kernel>(rows: usize) -> usize;
+
+    /// Readies the key tile starting at `j0` for [`scores`](Self::scores)
+    /// and [`values`](Self::values): a source stored in half precision
+    /// widens the tile's keys and values into `f32` scratch here, so the
+    /// `f32` kernels run on it from L1/L2. Sources already in `f32` have
+    /// nothing to do.
+    fn load_tile<K: Kernel>(&mut self, _kernel: K, _j0: usize) {}
 
     /// `S = q·K_tᵀ` for the key tile starting at `j0`, into `scores`
     /// (row stride `KEY_TILE`); `q` holds the computed rows, `d_k` each.
@@ -232,6 +255,10 @@ pub(crate) trait TileSource {
     /// not known.
     fn max_abs_key(&self) -> f32;
 
+    /// Readies the key tile starting at `j0` before its scores and values
+    /// are read (see [`KeySource::load_tile`]); by default nothing.
+    fn load_tile<K: Kernel>(&mut self, _kernel: K, _j0: usize) {}
+
     /// `S = scale·q·K_tᵀ` for the key tile starting at `j0`, into `scores`
     /// (row stride `KEY_TILE`, the computed rows).
     fn tile_scores<K: Kernel>(&self, kernel: K, q: &TileQueries<'_>, j0: usize, scores: &mut [f32]);
@@ -250,6 +277,46 @@ pub(crate) trait TileSource {
     );
 }
 
+/// A source packed once and read by the query tiles of one job in
+/// parallel: shared, so nothing may be readied per tile. Sources that need
+/// [`TileSource::load_tile`] (half-precision rows) run one tile at a time
+/// in the decode driver instead.
+pub(crate) struct Shared<'s, S>(pub &'s S);
+
+impl<S: TileSource> TileSource for Shared<'_, S> {
+    const PAIRED_QUERIES: bool = S::PAIRED_QUERIES;
+
+    fn computed_rows<K: Kernel>(rows: usize) -> usize {
+        S::computed_rows::<K>(rows)
+    }
+
+    fn max_abs_key(&self) -> f32 {
+        self.0.max_abs_key()
+    }
+
+    fn tile_scores<K: Kernel>(
+        &self,
+        kernel: K,
+        q: &TileQueries<'_>,
+        j0: usize,
+        scores: &mut [f32],
+    ) {
+        self.0.tile_scores(kernel, q, j0, scores);
+    }
+
+    fn tile_values<K: Kernel>(
+        &self,
+        kernel: K,
+        j0: usize,
+        p: ArrayView2<'_, f32>,
+        alpha: &[f32],
+        o: &mut [f32],
+        width: usize,
+    ) {
+        self.0.tile_values(kernel, j0, p, alpha, o, width);
+    }
+}
+
 impl<S: KeySource> TileSource for S {
     fn computed_rows<K: Kernel>(rows: usize) -> usize {
         S::computed_rows::<K>(rows)
@@ -257,6 +324,10 @@ impl<S: KeySource> TileSource for S {
 
     fn max_abs_key(&self) -> f32 {
         KeySource::max_abs_key(self)
+    }
+
+    fn load_tile<K: Kernel>(&mut self, kernel: K, j0: usize) {
+        KeySource::load_tile(self, kernel, j0)
     }
 
     fn tile_scores<K: Kernel>(
@@ -361,12 +432,12 @@ impl QueryTile {
     /// Runs the query tile `at` over every key tile in `keys` (whole tiles
     /// but at `len_kv`) it can see, leaving the unnormalised output in `o`,
     /// the row maxima in `max` and the row sums in `sum`.
-    pub(crate) fn attend<K: Kernel, S: TileSource>(
+    pub(crate) fn attend<K: Kernel, S: TileSource, KV: Float>(
         &mut self,
         kernel: K,
-        call: &Call<'_, f32>,
+        call: &Call<'_, f32, KV>,
         at: &TilePosition,
-        source: &S,
+        source: &mut S,
         keys: Range<usize>,
     ) {
         let d_k = call.shape.d_k;
@@ -387,6 +458,7 @@ impl QueryTile {
         let end_tile = span.max_end.min(keys.end).div_ceil(KEY_TILE);
         for t in first_tile..end_tile {
             let j0 = t * KEY_TILE;
+            source.load_tile(kernel, j0);
             let scores = &mut self.scores[..rows * KEY_TILE];
             let queries = TileQueries {
                 rows: &self.q[..rows * d_k],
@@ -434,7 +506,13 @@ impl QueryTile {
     /// applies the scale. `q_max_abs` is then `max|q|·max(|scale|, 1)`,
     /// which bounds the unscaled products the kernel sums as well as the
     /// scaled scores.
-    fn load_queries(&mut self, call: &Call<'_, f32>, at: &TilePosition, rows: usize, paired: bool) {
+    fn load_queries<KV>(
+        &mut self,
+        call: &Call<'_, f32, KV>,
+        at: &TilePosition,
+        rows: usize,
+        paired: bool,
+    ) {
         let d_k = call.shape.d_k;
         let scale = if paired { 1.0 } else { call.scale };
         let q_head = crate::call::head(&call.q, at.b, at.h);
@@ -486,9 +564,9 @@ impl QueryTile {
     /// zeros and `−inf`; a row with an unhidden visible key got there by a
     /// non-finite input, and gets NaN with log-sum-exp `−inf` (see
     /// `mask.rs`).
-    pub(crate) fn write_output(
+    pub(crate) fn write_output<KV>(
         &self,
-        call: &Call<'_, f32>,
+        call: &Call<'_, f32, KV>,
         at: &TilePosition,
         keys: Range<usize>,
         out_tile: &mut ArrayViewMut2<'_, f32>,

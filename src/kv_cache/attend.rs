@@ -8,21 +8,21 @@ use std::borrow::Cow;
 
 use super::attended::{Attended, DecodeCall, check_decode_options};
 use super::check::{KEYS, VALUES, zeroed_buffer};
-use crate::element::Element;
+use crate::element::Storage;
 use crate::error::{AttentionError, ErrorKind};
 use crate::options::AttentionOptions;
 use ndarray::{Array4, ArrayView4, ArrayViewMut4, Axis, s};
 
 use super::KvCache;
 
-impl<F: Element> KvCache<F> {
+impl<F: Storage> KvCache<F> {
     /// [`attend_into_with`](Self::attend_into_with) on checked arguments.
     pub(super) fn attend_into_prechecked(
         &mut self,
         q: ArrayView4<'_, F>,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        opts: &AttentionOptions<'_, F>,
+        opts: &AttentionOptions<'_, F::Compute>,
         out: ArrayViewMut4<'_, F>,
     ) -> Result<(), AttentionError> {
         self.attend_next_with(k, v, opts, |attended| attended.attend_into(q, out))
@@ -40,7 +40,7 @@ impl<F: Element> KvCache<F> {
         &mut self,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        opts: &AttentionOptions<'_, F>,
+        opts: &AttentionOptions<'_, F::Compute>,
         attention: impl FnOnce(&Attended<'_, F>) -> Result<R, AttentionError>,
     ) -> Result<R, AttentionError> {
         debug_assert!(
@@ -84,7 +84,7 @@ impl<F: Element> KvCache<F> {
         &mut self,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        opts: &AttentionOptions<'_, F>,
+        opts: &AttentionOptions<'_, F::Compute>,
         attention: impl FnOnce(&Attended<'_, F>) -> Result<R, AttentionError>,
     ) -> Result<R, AttentionError> {
         debug_assert!(
@@ -165,7 +165,7 @@ impl<F: Element> KvCache<F> {
         &mut self,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        opts: &AttentionOptions<'_, F>,
+        opts: &AttentionOptions<'_, F::Compute>,
         attention: impl FnOnce(&Attended<'_, F>) -> Result<R, AttentionError>,
     ) -> Result<R, AttentionError> {
         // `total_after` has checked `total_len + n`, and `len` is `total_len`.

@@ -24,33 +24,34 @@ use std::borrow::Cow;
 
 use ndarray::{ArrayView4, ArrayViewMut4, Axis};
 
-use crate::element::Element;
+use crate::element::Storage;
 use crate::error::{AttentionError, ErrorKind};
 use crate::options::{AttentionOptions, CausalAlignment};
+use crate::partial::AttentionPartial;
 
 /// The keys and values a decoding step's new queries attend over, in
 /// position order (or, when that cannot matter, slot order), and the
 /// options that say which each query sees.
 #[derive(Debug)]
-pub(crate) struct Attended<'a, F> {
+pub(crate) struct Attended<'a, F: Storage> {
     /// The first run of keys and values.
     first: (ArrayView4<'a, F>, ArrayView4<'a, F>),
     /// The second, in a full ring attended in position order.
     second: Option<(ArrayView4<'a, F>, ArrayView4<'a, F>)>,
     /// The caller's options, checked by [`check_decode_options`].
-    user: AttentionOptions<'a, F>,
+    user: AttentionOptions<'a, F::Compute>,
     /// A ring's window, which every query keeps to.
     ring_window: Option<usize>,
     /// Each sequence's first real position, relative to the first key.
     key_starts: Option<Cow<'a, [usize]>>,
 }
 
-impl<'a, F: Element> Attended<'a, F> {
+impl<'a, F: Storage> Attended<'a, F> {
     /// Keys and values in position order, relative position 0 first.
     pub(crate) fn in_order(
         keys: ArrayView4<'a, F>,
         values: ArrayView4<'a, F>,
-        user: AttentionOptions<'a, F>,
+        user: AttentionOptions<'a, F::Compute>,
         ring_window: Option<usize>,
         key_starts: Option<Cow<'a, [usize]>>,
     ) -> Self {
@@ -68,7 +69,7 @@ impl<'a, F: Element> Attended<'a, F> {
     pub(crate) fn in_two_runs(
         first: (ArrayView4<'a, F>, ArrayView4<'a, F>),
         second: (ArrayView4<'a, F>, ArrayView4<'a, F>),
-        user: AttentionOptions<'a, F>,
+        user: AttentionOptions<'a, F::Compute>,
         ring_window: Option<usize>,
         key_starts: Option<Cow<'a, [usize]>>,
     ) -> Self {
@@ -86,7 +87,7 @@ impl<'a, F: Element> Attended<'a, F> {
     /// held (a ring's single new token). Left padding counts only while
     /// a padded position is still held.
     pub(crate) fn order_free(
-        user: &AttentionOptions<'_, F>,
+        user: &AttentionOptions<'_, F::Compute>,
         keys_held: usize,
         key_starts: Option<&[usize]>,
     ) -> bool {
@@ -98,7 +99,7 @@ impl<'a, F: Element> Attended<'a, F> {
     }
 
     /// The options every run is attended with (before its key shard).
-    fn options(&self) -> AttentionOptions<'_, F> {
+    fn options(&self) -> AttentionOptions<'_, F::Compute> {
         let mut opts = self.user.reborrow();
         opts.causal = Some(CausalAlignment::BottomRight);
         opts.window = match (opts.window, self.ring_window) {
@@ -119,29 +120,50 @@ impl<'a, F: Element> Attended<'a, F> {
     }
 
     /// Attention of `q` `[batch, heads, n, d_k]` over the runs into `out`
-    /// `[batch, heads, n, d_v]` (any strides).
+    /// `[batch, heads, n, d_v]` (any strides), both in the cache's type
+    /// (a half-precision cache's queries are widened, and its output
+    /// rounded, once).
     pub(crate) fn attend_into(
         &self,
         q: ArrayView4<'_, F>,
-        mut out: ArrayViewMut4<'_, F>,
+        out: ArrayViewMut4<'_, F>,
+    ) -> Result<(), AttentionError> {
+        let q = F::to_compute(q)?;
+        F::write_compute(out, |out| self.attend_compute_into(q.view(), out))
+    }
+
+    /// [`attend_into`](Self::attend_into) with `q` and `out` in the compute
+    /// type. The keys and values stay in the cache's type: a half-precision
+    /// cache's are widened tile by tile as the kernels read them
+    /// (`Convert::attend_stored`).
+    pub(crate) fn attend_compute_into(
+        &self,
+        q: ArrayView4<'_, F::Compute>,
+        mut out: ArrayViewMut4<'_, F::Compute>,
     ) -> Result<(), AttentionError> {
         let opts = self.options();
         let (keys, values) = (self.first.0.view(), self.first.1.view());
         let Some((later_keys, later_values)) = &self.second else {
-            return crate::scaled_dot_product_attention_into(q, keys, values, &opts, out);
+            return F::attend_stored(q, keys, values, &opts, out, None);
         };
         let split = keys.len_of(Axis(2));
         let total = split + later_keys.len_of(Axis(2));
         let shard = |offset| opts.clone().key_shard(offset, total);
-        let mut merged =
-            crate::scaled_dot_product_attention_partial(q.view(), keys, values, &shard(0))?;
-        let later = crate::scaled_dot_product_attention_partial(
-            q,
-            later_keys.view(),
-            later_values.view(),
-            &shard(split),
-        )?;
-        merged.merge(&later)?;
+        let partial = |keys, values, offset| {
+            let mut partial = AttentionPartial::<F::Compute>::zeros(out.dim())?;
+            let (output, log_sum_exp) = partial.parts_mut();
+            F::attend_stored(
+                q.view(),
+                keys,
+                values,
+                &shard(offset),
+                output,
+                Some(log_sum_exp),
+            )?;
+            Ok::<_, AttentionError>(partial)
+        };
+        let mut merged = partial(keys, values, 0)?;
+        merged.merge(&partial(later_keys.view(), later_values.view(), split)?)?;
         out.assign(&merged.output());
         Ok(())
     }

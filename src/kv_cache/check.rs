@@ -6,8 +6,9 @@ use ndarray::{Array4, ArrayView4};
 
 use super::KvCache;
 use crate::alloc::try_zeros;
-use crate::element::Element;
+use crate::element::Storage;
 use crate::error::{AttentionError, ErrorKind, shape_error};
+use num_traits::Zero;
 
 /// What the key buffer is called in errors.
 pub(super) const KEYS: &str = "the cache's keys [batch, kv_heads, slots, d_k]";
@@ -18,21 +19,30 @@ pub(super) const VALUES: &str = "the cache's values [batch, kv_heads, slots, d_v
 /// allocating it (`alloc` also checks the product of the nonzero lengths,
 /// which ndarray bounds even when another length is 0: a cache for batch 0
 /// with a huge capacity).
-pub(super) fn zeroed_buffer<F: Element>(
+pub(super) fn zeroed_buffer<F: Clone + Zero>(
     what: &str,
     dims: [usize; 4],
 ) -> Result<Array4<F>, AttentionError> {
     try_zeros(&format!("{what} {dims:?}"), dims)
 }
 
-impl<F: Element> KvCache<F> {
+impl<F: Storage> KvCache<F> {
     /// Checks new keys and values against the cache and each other.
     pub(super) fn check_new(
         &self,
         k: &ArrayView4<'_, F>,
         v: &ArrayView4<'_, F>,
     ) -> Result<(), AttentionError> {
-        let (ks, vs) = (k.shape(), v.shape());
+        self.check_new_shapes(k.shape(), v.shape())
+    }
+
+    /// [`check_new`](Self::check_new) on the shapes of `k` and `v`, which
+    /// may be in the compute type.
+    pub(super) fn check_new_shapes(
+        &self,
+        ks: &[usize],
+        vs: &[usize],
+    ) -> Result<(), AttentionError> {
         let cache = [self.batch(), self.kv_heads(), self.d_k(), self.d_v()];
         let fits = ks[0] == cache[0]
             && vs[0] == cache[0]
@@ -59,7 +69,17 @@ impl<F: Element> KvCache<F> {
         k: &ArrayView4<'_, F>,
         out: &[usize],
     ) -> Result<(), AttentionError> {
-        let (qs, ks) = (q.shape(), k.shape());
+        self.check_query_shapes(q.shape(), k.shape(), out)
+    }
+
+    /// [`check_queries`](Self::check_queries) on the shapes of `q` and `k`,
+    /// which may be in the compute type.
+    pub(super) fn check_query_shapes(
+        &self,
+        qs: &[usize],
+        ks: &[usize],
+        out: &[usize],
+    ) -> Result<(), AttentionError> {
         let layouts = || {
             format!(
                 "q {qs:?} = [batch, heads, n, d_k], k {ks:?} = [batch, kv_heads, n, d_k], \

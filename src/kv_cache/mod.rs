@@ -59,7 +59,7 @@ pub(crate) use padding::RightPadding;
 
 use ndarray::{Array4, ArrayView4, ArrayViewMut4, Axis, s};
 
-use crate::element::Element;
+use crate::element::Storage;
 use crate::error::{AttentionError, ErrorKind};
 use crate::options::AttentionOptions;
 use attended::{DecodeCall, check_decode_options};
@@ -81,6 +81,22 @@ use check::{KEYS, VALUES, check_dims, zeroed_buffer};
 /// applied to `q` and `k`). The layer methods
 /// [`CausalAttention::prefill`](crate::CausalAttention::prefill) and
 /// [`step`](crate::CausalAttention::step) do the projections too.
+///
+/// **Half precision** (feature `half`): `KvCache<half::bf16>` and
+/// `KvCache<half::f16>` store the keys and values in that type, half the
+/// memory of an `f32` cache. Softmax and accumulation are in `f32`, and the
+/// options are `AttentionOptions<f32>` (as for the functional API's half
+/// calls). [`append`](Self::append), [`attend`](Self::attend) and
+/// [`prefill`](Self::prefill) take `q`, `k`, `v` and return the output in
+/// the cache's type; [`append_compute`](Self::append_compute) and
+/// [`attend_compute_with`](Self::attend_compute_with) take `f32`
+/// projections (rounded to the cache's type on write, to nearest-even) and
+/// return `f32`. A decoding step reads the cache in its own type, half the
+/// bytes of an `f32` cache's step: each 64-key tile is widened to `f32`
+/// into a scratch tile the `f32` kernels read (the cache is never widened
+/// whole), when the head dims are whole vectors of the kernel set (a
+/// multiple of 16 covers them all); other shapes, and prompts of more than
+/// 8 queries, widen the keys and values whole and take the `f32` path.
 ///
 /// The cache holds `batch` sequences decoded in lockstep: every step
 /// appends the same number of positions to each. Sequences of different
@@ -137,7 +153,7 @@ pub struct KvCache<F> {
     key_starts: Option<Vec<usize>>,
 }
 
-impl<F: Element> KvCache<F> {
+impl<F: Storage> KvCache<F> {
     /// An empty growing cache for `batch` sequences of `kv_heads` key/value
     /// heads, keys `d_k` wide and values `d_v` wide, with room for
     /// `capacity` positions before it first grows (0 is allowed).
@@ -509,7 +525,7 @@ impl<F: Element> KvCache<F> {
         q: ArrayView4<'_, F>,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        opts: &AttentionOptions<'_, F>,
+        opts: &AttentionOptions<'_, F::Compute>,
     ) -> Result<Array4<F>, AttentionError> {
         let mut out = self.output_for(&q, &k, &v)?;
         self.attend_into_prechecked(q, k, v, opts, out.view_mut())?;
@@ -528,12 +544,113 @@ impl<F: Element> KvCache<F> {
         q: ArrayView4<'_, F>,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        opts: &AttentionOptions<'_, F>,
+        opts: &AttentionOptions<'_, F::Compute>,
         out: ArrayViewMut4<'_, F>,
     ) -> Result<(), AttentionError> {
         self.check_new(&k, &v)?;
         self.check_queries(&q, &k, out.shape())?;
         self.attend_into_prechecked(q, k, v, opts, out)
+    }
+
+    /// [`append`](Self::append) from keys and values in the compute type:
+    /// `f32` projections into a `bf16` or `f16` cache, each element rounded
+    /// to the cache's type on the way in (to nearest, ties to even, as
+    /// `half`'s `from_f32`; NaN stays NaN). For an `f32` or `f64` cache this
+    /// is `append`.
+    ///
+    /// # Errors
+    /// As [`append`](Self::append), and [`ErrorKind::TooLarge`] or
+    /// [`ErrorKind::OutOfMemory`] when the rounded copy of `k` or `v`
+    /// cannot be addressed or allocated. The cache is unchanged on error.
+    ///
+    /// ```
+    /// # #[cfg(feature = "half")] {
+    /// use half::bf16;
+    /// use ndarray::Array4;
+    /// use sdpa::KvCache;
+    ///
+    /// let mut cache = KvCache::<bf16>::new(1, 1, 4, 4, 8)?;
+    /// let x = Array4::<f32>::from_elem((1, 1, 2, 4), 1.0 + 1.0 / 1024.0);
+    /// cache.append_compute(x.view(), x.view())?;
+    /// // 1 + 2⁻¹⁰ is not a bf16 (8 bits of mantissa): it is stored as 1.
+    /// assert!(cache.keys().iter().all(|&k| k == bf16::ONE));
+    /// # }
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn append_compute(
+        &mut self,
+        k: ArrayView4<'_, F::Compute>,
+        v: ArrayView4<'_, F::Compute>,
+    ) -> Result<(), AttentionError> {
+        self.check_new_shapes(k.shape(), v.shape())?;
+        let (k, v) = (rounded(KEYS, k)?, rounded(VALUES, v)?);
+        self.append(k.view(), v.view())
+    }
+
+    /// [`attend`](Self::attend) with `q`, `k`, `v` and the output in the
+    /// compute type: the decoding step of a model that computes in `f32`
+    /// and keeps its cache in `bf16` or `f16` (half the memory, and half
+    /// the bytes each step reads). `k` and `v` are rounded to the cache's
+    /// type as in [`append_compute`](Self::append_compute) before anything
+    /// attends to them, so the new queries see the keys and values as the
+    /// cache holds them, as later steps will; `q` is not rounded, and the
+    /// output is not rounded either. Softmax and accumulation are in `f32`
+    /// whatever the storage. For an `f32` or `f64` cache this is `attend`.
+    ///
+    /// # Errors
+    /// As [`attend`](Self::attend) and
+    /// [`append_compute`](Self::append_compute). The cache is unchanged on
+    /// error.
+    pub fn attend_compute(
+        &mut self,
+        q: ArrayView4<'_, F::Compute>,
+        k: ArrayView4<'_, F::Compute>,
+        v: ArrayView4<'_, F::Compute>,
+    ) -> Result<Array4<F::Compute>, AttentionError> {
+        self.attend_compute_with(q, k, v, &AttentionOptions::new())
+    }
+
+    /// [`attend_compute`](Self::attend_compute) with options, as
+    /// [`attend_with`](Self::attend_with) takes them.
+    ///
+    /// # Errors
+    /// As [`attend_with`](Self::attend_with) and
+    /// [`append_compute`](Self::append_compute). The cache is unchanged on
+    /// error.
+    ///
+    /// ```
+    /// # #[cfg(feature = "half")] {
+    /// use half::f16;
+    /// use ndarray::Array4;
+    /// use sdpa::{AttentionOptions, KvCache};
+    ///
+    /// // An f32 model with an f16 cache: 4 query heads over 2 key/value heads.
+    /// let mut cache = KvCache::<f16>::new(1, 2, 16, 16, 64)?;
+    /// let q = Array4::<f32>::from_shape_fn((1, 4, 1, 16), |(_, h, _, d)| (h + d) as f32 * 0.1);
+    /// let kv = Array4::<f32>::from_shape_fn((1, 2, 1, 16), |(_, h, _, d)| (h * d) as f32 * 0.01);
+    /// let opts = AttentionOptions::new().softcap(30.0);
+    /// let out: Array4<f32> = cache.attend_compute_with(q.view(), kv.view(), kv.view(), &opts)?;
+    /// assert_eq!((out.dim(), cache.len()), ((1, 4, 1, 16), 1));
+    /// # }
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn attend_compute_with(
+        &mut self,
+        q: ArrayView4<'_, F::Compute>,
+        k: ArrayView4<'_, F::Compute>,
+        v: ArrayView4<'_, F::Compute>,
+        opts: &AttentionOptions<'_, F::Compute>,
+    ) -> Result<Array4<F::Compute>, AttentionError> {
+        self.check_new_shapes(k.shape(), v.shape())?;
+        let (batch, heads, n, _) = q.dim();
+        let shape = [batch, heads, n, self.d_v()];
+        self.check_query_shapes(q.shape(), k.shape(), &shape)?;
+        let (k, v) = (rounded(KEYS, k)?, rounded(VALUES, v)?);
+        let mut out = zeroed_buffer("the output [batch, heads, n, d_v]", shape)?;
+        self.attend_next_with(k.view(), v.view(), opts, |attended| {
+            attended.attend_compute_into(q, out.view_mut())
+        })?;
+        Ok(out)
     }
 
     /// Starts new sequences: clears the cache, then attends the prompt's
@@ -595,7 +712,7 @@ impl<F: Element> KvCache<F> {
         q: ArrayView4<'_, F>,
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
-        opts: &AttentionOptions<'_, F>,
+        opts: &AttentionOptions<'_, F::Compute>,
     ) -> Result<Array4<F>, AttentionError> {
         let mut out = self.output_for(&q, &k, &v)?;
         check_decode_options(opts, self.window.is_some(), DecodeCall::Prefill)?;
@@ -635,4 +752,18 @@ impl<F: Element> KvCache<F> {
         self.check_queries(q, k, &shape)?;
         zeroed_buffer("the output [batch, heads, n, d_v]", shape)
     }
+}
+
+/// `x`, in the compute type, rounded to the storage type `F` (the identity
+/// for an `f32` or `f64` cache), or the error of allocating the copy.
+fn rounded<F: Storage>(
+    what: &str,
+    x: ArrayView4<'_, F::Compute>,
+) -> Result<Array4<F>, AttentionError> {
+    let mut copy = zeroed_buffer(
+        &format!("a copy of the new entries for {what}"),
+        x.dim().into(),
+    )?;
+    copy.assign(&x);
+    F::from_compute(copy)
 }

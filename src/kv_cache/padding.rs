@@ -10,8 +10,8 @@
 use ndarray::{Array, ArrayView, ArrayViewMut, Axis, Dimension, Slice};
 
 use crate::alloc::try_zeros;
-use crate::element::Element;
 use crate::error::{AttentionError, ErrorKind};
+use num_traits::Zero;
 
 /// A right-padded batch's lengths, and the left padding they become.
 #[derive(Debug, Clone)]
@@ -64,7 +64,7 @@ impl<'a> RightPadding<'a> {
 
     /// `x` (batch on axis 0, positions on `axis`) with each sequence's
     /// tokens moved to the end and zeros before them.
-    pub(crate) fn to_left<F: Element, D: Dimension>(
+    pub(crate) fn to_left<F: Clone + Zero, D: Dimension>(
         &self,
         what: &str,
         x: ArrayView<'_, F, D>,
@@ -80,7 +80,7 @@ impl<'a> RightPadding<'a> {
     /// The inverse of [`to_left`](Self::to_left) for a result: each
     /// sequence's rows of `left` back at its start in `out`, and its rows
     /// of padding after them.
-    pub(crate) fn to_right<F: Element, D: Dimension>(
+    pub(crate) fn to_right<F: Clone, D: Dimension>(
         &self,
         left: ArrayView<'_, F, D>,
         axis: Axis,

@@ -22,11 +22,11 @@ use ndarray::{Array4, ArrayView4, Axis, s};
 use super::KvCache;
 use super::attended::Attended;
 use super::check::{KEYS, VALUES, zeroed_buffer};
-use crate::element::Element;
+use crate::element::Storage;
 use crate::error::{AttentionError, ErrorKind};
 use crate::options::AttentionOptions;
 
-impl<F: Element> KvCache<F> {
+impl<F: Storage> KvCache<F> {
     /// Stores checked `k`, `v` `[batch, kv_heads, n, d]` in the ring:
     /// only the last `window` new positions survive.
     pub(super) fn push_into_ring(
@@ -62,7 +62,7 @@ impl<F: Element> KvCache<F> {
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
         window: usize,
-        opts: &AttentionOptions<'_, F>,
+        opts: &AttentionOptions<'_, F::Compute>,
         attention: impl FnOnce(&Attended<'_, F>) -> Result<R, AttentionError>,
     ) -> Result<R, AttentionError> {
         if k.len_of(Axis(2)) == 1 {
@@ -107,7 +107,7 @@ impl<F: Element> KvCache<F> {
         k: ArrayView4<'_, F>,
         v: ArrayView4<'_, F>,
         window: usize,
-        opts: &AttentionOptions<'_, F>,
+        opts: &AttentionOptions<'_, F::Compute>,
         attention: impl FnOnce(&Attended<'_, F>) -> Result<R, AttentionError>,
     ) -> Result<R, AttentionError> {
         if self.len < window {
@@ -139,19 +139,20 @@ impl<F: Element> KvCache<F> {
         let result = {
             let (keys, values) = (self.keys.view(), self.values.view());
             let (user, ring) = (opts.reborrow(), Some(window));
-            let attended =
-                if oldest + 1 == window || Attended::order_free(opts, window, starts.as_deref()) {
-                    Attended::in_order(keys, values, user, ring, starts)
-                } else {
-                    let (older, newer) = (s![.., .., oldest + 1.., ..], s![.., .., ..=oldest, ..]);
-                    Attended::in_two_runs(
-                        (keys.slice_move(older), values.slice_move(older)),
-                        (self.keys.slice(newer), self.values.slice(newer)),
-                        user,
-                        ring,
-                        starts,
-                    )
-                };
+            let attended = if oldest + 1 == window
+                || Attended::<F>::order_free(opts, window, starts.as_deref())
+            {
+                Attended::in_order(keys, values, user, ring, starts)
+            } else {
+                let (older, newer) = (s![.., .., oldest + 1.., ..], s![.., .., ..=oldest, ..]);
+                Attended::in_two_runs(
+                    (keys.slice_move(older), values.slice_move(older)),
+                    (self.keys.slice(newer), self.values.slice(newer)),
+                    user,
+                    ring,
+                    starts,
+                )
+            };
             attention(&attended)
         };
         match result {

@@ -36,7 +36,6 @@ impl Avx2 {
 // the tile sizes of the constants.
 unsafe impl Kernel for Avx2 {
     type Vector = __m256;
-    #[cfg(test)]
     const SET: super::KernelSet = super::KernelSet::Avx2;
     const ROWS: usize = ROWS;
     const KEY_PANEL: usize = KEY_VECTORS * <__m256 as Vector>::LANES;

@@ -36,7 +36,6 @@ impl Avx512 {
 // the tile sizes of the constants.
 unsafe impl Kernel for Avx512 {
     type Vector = __m512;
-    #[cfg(test)]
     const SET: super::KernelSet = super::KernelSet::Avx512;
     const ROWS: usize = ROWS;
     const KEY_PANEL: usize = KEY_VECTORS * <__m512 as Vector>::LANES;

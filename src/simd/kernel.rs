@@ -54,14 +54,17 @@ pub(crate) trait KernelOp {
 /// An implementer promises that a value of the type exists only on a CPU
 /// that can run [`Kernel::run_unchecked`] (its constructor checks the CPU,
 /// and its fields are private), so that holding one proves the CPU; and
+/// that [`Kernel::SET`] names the set whose instruction set that is; and
 /// that `run_unchecked` runs the operation with `Self::Vector` and the tile
 /// sizes these constants describe (`ROWS`, `KEY_PANEL / LANES` key vectors,
 /// `LANES == Self::Vector::LANES`).
 pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
     /// The vector the kernels run on.
     type Vector: Vector;
-    /// The kernel set this is.
-    #[cfg(test)]
+    /// The kernel set this is: its instruction set, which a value of the
+    /// type proves, so code outside the trampoline (the conversions of
+    /// `convert.rs`) may rely on it.
+    #[cfg_attr(not(any(test, feature = "half")), allow(dead_code))]
     const SET: super::KernelSet;
     /// Query rows per register tile: tiles have a multiple of this many rows.
     const ROWS: usize;

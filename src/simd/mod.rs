@@ -15,6 +15,7 @@
 //! | `layout.rs` | rows and strided weights read in place; prefetching |
 //! | `probe.rs` | [`fma_peak`], [`bf16_dot_peak`] and [`read_rate`]: this core's limits, for benchmarks |
 //! | `bf16.rs` | `Bf16Dot`: Q·Kᵀ and P·V on `bf16` pairs with AVX-512 BF16 (`vdpbf16ps`), for `bf16` calls |
+//! | `convert.rs` | `bf16`/`f16` → `f32` per kernel set (F16C, shifts), for half-precision caches |
 //!
 //! Each instruction set has a file that implements `Vector` for its register
 //! type and `Kernel` for a kernel type, with its register tile sizes and one
@@ -46,6 +47,8 @@ use std::sync::OnceLock;
 
 use crate::error::{AttentionError, ErrorKind};
 
+#[cfg(feature = "half")]
+mod convert;
 mod exp;
 mod kernel;
 mod layout;
@@ -69,6 +72,8 @@ mod neon;
 
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
 pub(crate) use bf16::{Bf16Dot, PAIR_KEYS};
+#[cfg(feature = "half")]
+pub(crate) use convert::Widen;
 pub(crate) use kernel::Kernel;
 #[cfg(all(not(target_arch = "x86_64"), feature = "half"))]
 pub(crate) use no_bf16::{Bf16Dot, PAIR_KEYS};

@@ -34,7 +34,6 @@ impl Neon {
 // tile sizes of the constants.
 unsafe impl Kernel for Neon {
     type Vector = float32x4_t;
-    #[cfg(test)]
     const SET: super::KernelSet = super::KernelSet::Neon;
     const ROWS: usize = ROWS;
     const KEY_PANEL: usize = KEY_VECTORS * <float32x4_t as Vector>::LANES;

@@ -20,7 +20,6 @@ pub(crate) struct Scalar;
 // constants.
 unsafe impl Kernel for Scalar {
     type Vector = f32;
-    #[cfg(test)]
     const SET: super::KernelSet = super::KernelSet::Scalar;
     const ROWS: usize = ROWS;
     const KEY_PANEL: usize = KEY_VECTORS;

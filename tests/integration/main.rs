@@ -20,6 +20,8 @@ mod fuzz;
 #[cfg(feature = "half")]
 mod half;
 mod kv_cache;
+#[cfg(feature = "half")]
+mod kv_cache_half;
 mod layer_gradients;
 mod layer_layouts;
 mod layer_rope;
