@@ -23,6 +23,7 @@ use sdpa::simd::{KernelSet, bf16_dot_runs_on, with_kernel_set};
 use sdpa::{AttentionOptions, CausalAlignment, alibi_slopes, scaled_dot_product_attention};
 
 use crate::common::Rng;
+use crate::common::with_threads;
 
 /// The AVX-512 set, when bf16 runs natively on it here.
 fn native() -> Option<KernelSet> {
@@ -358,14 +359,6 @@ fn rows_that_see_no_key_are_zero() {
             .iter()
             .any(|x| x.to_f64() != 0.0)
     );
-}
-
-fn with_threads<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("a thread pool")
-        .install(f)
 }
 
 #[test]

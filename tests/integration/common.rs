@@ -641,3 +641,13 @@ pub fn option_case<'a, F: Copy + From<f32>>(
             .bias(bias.view()),
     }
 }
+
+/// Runs `f` on a rayon pool of `threads` threads (results must not depend
+/// on how many).
+pub fn with_threads<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("a thread pool")
+        .install(f)
+}

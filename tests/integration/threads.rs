@@ -1,5 +1,6 @@
 //! The fast path gives bitwise the same output for any thread count.
 
+use crate::common::with_threads;
 use ndarray::Array4;
 use sdpa::AttentionOptions;
 use sdpa::simd::available_kernel_sets;
@@ -9,14 +10,6 @@ fn data(dim: (usize, usize, usize, usize), seed: usize) -> Array4<f32> {
         let x = (b * 7919 + h * 104_729 + i * 31 + c * 17 + seed * 1_000_003) % 1009;
         x as f32 / 504.5 - 1.0
     })
-}
-
-fn with_threads<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("a thread pool")
-        .install(f)
 }
 
 #[test]

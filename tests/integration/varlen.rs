@@ -17,6 +17,7 @@ use std::ops::Range;
 
 use crate::common;
 
+use crate::common::with_threads;
 use common::{Inputs, Rng, assert_close, cast, close, naive_attention, to_f64};
 use ndarray::{Array1, Array2, Array3, Array4, ArrayView, ArrayView3, Axis, Dimension, s};
 use sdpa::simd::{available_kernel_sets, with_kernel_set};
@@ -890,14 +891,6 @@ fn nan_in_one_sequence_never_reaches_another() {
         .unwrap();
     }
     check_poison_stays_in_its_sequence::<f64>("f64");
-}
-
-fn with_threads<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("a thread pool")
-        .install(f)
 }
 
 #[test]
