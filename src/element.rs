@@ -22,9 +22,7 @@ use num_traits::Float;
 pub(crate) mod sealed {
     #[cfg(feature = "half")]
     use half::slice::HalfFloatSliceExt;
-    use ndarray::{
-        Array, ArrayView, ArrayView4, ArrayViewMut3, ArrayViewMut4, CowArray, Dimension,
-    };
+    use ndarray::{Array, ArrayView, ArrayViewMut3, ArrayViewMut4, CowArray, Dimension};
 
     use super::Storage;
     #[cfg(feature = "half")]
@@ -165,17 +163,13 @@ pub(crate) mod sealed {
         where
             Self: Storage;
 
-        /// Attention of `q` (in the compute type) over `k` and `v` stored in
-        /// this type, into `out` and, when given, `log_sum_exp` (in the
-        /// compute type, of the output's shape): a `KvCache`'s attention
-        /// over what it holds. An `Element` runs its own path; a half type
-        /// widens the keys and values tile by tile as a decoding step reads
-        /// them (`fused::forward_stored`), never the whole cache at once.
-        fn attend_stored(
-            q: ArrayView4<'_, <Self as Storage>::Compute>,
-            k: ArrayView4<'_, Self>,
-            v: ArrayView4<'_, Self>,
-            opts: &AttentionOptions<'_, <Self as Storage>::Compute>,
+        /// The forward of `call`, checked, whose keys and values are stored
+        /// in this type (a `KvCache`'s): an `Element` runs its own path; a
+        /// half type widens the keys and values tile by tile as a decoding
+        /// step reads them (`fused::forward_stored`), never the whole cache
+        /// at once.
+        fn forward_stored(
+            call: &Call<'_, <Self as Storage>::Compute, Self>,
             out: ArrayViewMut4<'_, <Self as Storage>::Compute>,
             log_sum_exp: Option<ArrayViewMut3<'_, <Self as Storage>::Compute>>,
         ) -> Result<(), AttentionError>
@@ -262,17 +256,12 @@ pub(crate) mod sealed {
                     f(opts)
                 }
 
-                fn attend_stored(
-                    q: ArrayView4<'_, $t>,
-                    k: ArrayView4<'_, $t>,
-                    v: ArrayView4<'_, $t>,
-                    opts: &AttentionOptions<'_, $t>,
+                fn forward_stored(
+                    call: &Call<'_, $t>,
                     out: ArrayViewMut4<'_, $t>,
                     log_sum_exp: Option<ArrayViewMut3<'_, $t>>,
                 ) -> Result<(), AttentionError> {
-                    let call = crate::call::check(&q, &k, &v, opts)?;
-                    crate::call::check_output(&call.shape, out.shape())?;
-                    <$t as Sealed>::forward(&call, out, log_sum_exp)
+                    <$t as Sealed>::forward(call, out, log_sum_exp)
                 }
             }
         };
@@ -377,17 +366,12 @@ pub(crate) mod sealed {
                     opts.with_f64(f)
                 }
 
-                fn attend_stored(
-                    q: ArrayView4<'_, f32>,
-                    k: ArrayView4<'_, $t>,
-                    v: ArrayView4<'_, $t>,
-                    opts: &AttentionOptions<'_, f32>,
+                fn forward_stored(
+                    call: &Call<'_, f32, $t>,
                     out: ArrayViewMut4<'_, f32>,
                     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
                 ) -> Result<(), AttentionError> {
-                    let call = crate::call::check(&q, &k, &v, opts)?;
-                    crate::call::check_output(&call.shape, out.shape())?;
-                    crate::fused::forward_stored(&call, out, log_sum_exp)
+                    crate::fused::forward_stored(call, out, log_sum_exp)
                 }
             }
         };

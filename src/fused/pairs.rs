@@ -6,7 +6,7 @@
 //! [`TileSource`] with its packing.
 //!
 //! A `bf16` call's inputs reach here converted to `f32` exactly, so
-//! rounding them back to `bf16` when packing (and the queries, unscaled,
+//! taking their `bf16` bits back when packing (and the queries', unscaled,
 //! in `tile.rs`) is exact too: the scores are the `f32` sums of exact
 //! products, scaled in `f32`. The one rounding this path adds over the
 //! `f32` path is the weights `P`, rounded to `bf16` per tile for `P·V`:
@@ -18,6 +18,7 @@ use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4};
 use super::KEY_TILE;
 use super::decode;
 use super::forward::{Forward, prefill_with};
+use super::scratch::Scratch;
 use super::tile::{TileQueries, TileSource, bf16_bits, bf16_pairs};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
@@ -97,11 +98,11 @@ struct PairedKeys {
     dot: Bf16Dot,
     /// Per key tile `[d_pairs][KEY_TILE]`: key `j`'s dims `2p, 2p + 1` at
     /// `[p][j]`.
-    keys: spare::Pairs,
+    keys: Scratch<u32>,
     d_pairs: usize,
     /// Per key tile `[KEY_TILE/2][width]`: keys `2i, 2i + 1` of column `c`
     /// at `[i][c]`.
-    values: spare::Pairs,
+    values: Scratch<u32>,
     /// `d_v` rounded up to whole vectors, as the query tile's output rows.
     width: usize,
     max_abs_key: f32,
@@ -126,8 +127,9 @@ impl PairedKeys {
         let d_pairs = shape.d_k.div_ceil(2);
         let width = shape.d_v.div_ceil(LANES) * LANES;
         let what = "packed bf16 keys and values";
-        let mut keys = spare::take(what, element_count::<u32>(what, &[padded, d_pairs])?)?;
-        let mut values = spare::take(what, element_count::<u32>(what, &[padded / 2, width])?)?;
+        let mut keys = Scratch::for_writing(what, element_count::<u32>(what, &[padded, d_pairs])?)?;
+        let mut values =
+            Scratch::for_writing(what, element_count::<u32>(what, &[padded / 2, width])?)?;
         let mut tile_has_nonfinite_values = try_filled(what, tiles, false)?;
         let mut max_abs_key = 0.0f32;
         // One key's pairs, then scattered to their column of the tile.
@@ -236,72 +238,6 @@ fn contiguous<'a>(x: ndarray::ArrayView1<'a, f32>, row: &'a mut [f32]) -> &'a [f
             let row = &mut row[..x.len()];
             row.iter_mut().zip(&x).for_each(|(r, &x)| *r = x);
             row
-        }
-    }
-}
-
-/// Pair buffers kept by each thread for its next call, as `scratch.rs`
-/// keeps `f32` ones, and for the same reason: a fresh buffer of 128 KiB
-/// or more is `mmap`ed and faulted in page by page on every call (10% of
-/// a causal bf16 forward at N = 1024, measured with perf).
-mod spare {
-    use std::cell::RefCell;
-    use std::ops::{Deref, DerefMut};
-
-    use crate::alloc::try_with_capacity;
-    use crate::error::AttentionError;
-
-    /// The most a thread keeps, in `u32`s (64 MiB).
-    const SPARE: usize = 16 << 20;
-
-    thread_local! {
-        static BUFFERS: RefCell<Vec<Vec<u32>>> = const { RefCell::new(Vec::new()) };
-    }
-
-    /// `len` `u32`s of any value (what a reused buffer held, zeros where
-    /// new), given back to the thread's spares when dropped.
-    pub(super) struct Pairs(Vec<u32>);
-
-    pub(super) fn take(what: &str, len: usize) -> Result<Pairs, AttentionError> {
-        let reused = BUFFERS.with_borrow_mut(|spare| {
-            let best = (0..spare.len())
-                .filter(|&i| spare[i].capacity() >= len)
-                .min_by_key(|&i| spare[i].capacity())?;
-            Some(spare.swap_remove(best))
-        });
-        let mut data = match reused {
-            Some(data) => data,
-            None => try_with_capacity(what, len)?,
-        };
-        data.resize(len, 0);
-        Ok(Pairs(data))
-    }
-
-    impl Deref for Pairs {
-        type Target = [u32];
-        fn deref(&self) -> &[u32] {
-            &self.0
-        }
-    }
-
-    impl DerefMut for Pairs {
-        fn deref_mut(&mut self) -> &mut [u32] {
-            &mut self.0
-        }
-    }
-
-    impl Drop for Pairs {
-        fn drop(&mut self) {
-            let data = std::mem::take(&mut self.0);
-            // A thread being torn down, or a full pool, simply frees it.
-            let _ = BUFFERS.try_with(|spare| {
-                if let Ok(mut spare) = spare.try_borrow_mut() {
-                    let kept: usize = spare.iter().map(Vec::capacity).sum();
-                    if kept + data.capacity() <= SPARE {
-                        spare.push(data);
-                    }
-                }
-            });
         }
     }
 }

@@ -11,42 +11,72 @@
 
 use std::cell::RefCell;
 use std::ops::{Deref, DerefMut};
+use std::thread::LocalKey;
 
 use crate::alloc::try_with_capacity;
 use crate::error::AttentionError;
 
-/// Floats per 64-byte cache line: the alignment of every buffer.
-const LINE: usize = 16;
-/// The most memory a thread keeps in spare buffers between calls.
+/// The most memory a thread keeps in spare buffers of one element type
+/// between calls.
 const SPARE_BYTES: usize = 64 << 20;
 
+/// This thread's spare buffers of one element type, each with room for at
+/// least its capacity.
+type Spares<T> = RefCell<Vec<Vec<T>>>;
+
 thread_local! {
-    /// This thread's spare buffers, each with room for at least its
-    /// capacity.
-    static SPARE: RefCell<Vec<Vec<f32>>> = const { RefCell::new(Vec::new()) };
+    static SPARE_F32: Spares<f32> = const { RefCell::new(Vec::new()) };
+    static SPARE_U32: Spares<u32> = const { RefCell::new(Vec::new()) };
 }
 
-/// `len` floats starting on a 64-byte boundary, taken from this thread's
-/// spares when one is large enough, and given back to them when dropped.
-pub(crate) struct Scratch {
-    data: Vec<f32>,
+/// An element type of working buffers: `f32` for the `f32` kernels, `u32`
+/// for `bf16` pairs. Each has its own pool of spares.
+pub(crate) trait ScratchElement: Copy + 'static {
+    /// What a new buffer's elements are.
+    const ZERO: Self;
+    /// This thread's spares of this type.
+    fn spares() -> &'static LocalKey<Spares<Self>>;
+}
+
+impl ScratchElement for f32 {
+    const ZERO: Self = 0.0;
+    fn spares() -> &'static LocalKey<Spares<Self>> {
+        &SPARE_F32
+    }
+}
+
+impl ScratchElement for u32 {
+    const ZERO: Self = 0;
+    fn spares() -> &'static LocalKey<Spares<Self>> {
+        &SPARE_U32
+    }
+}
+
+/// `len` elements (floats unless said) starting on a 64-byte boundary,
+/// taken from this thread's spares when one is large enough, and given back
+/// to them when dropped.
+pub(crate) struct Scratch<T: ScratchElement = f32> {
+    data: Vec<T>,
     start: usize,
     len: usize,
 }
 
-impl Scratch {
+impl<T: ScratchElement> Scratch<T> {
+    /// Elements per 64-byte cache line: the alignment of every buffer.
+    const LINE: usize = 64 / size_of::<T>();
+
     /// `len` copies of `value`.
     ///
     /// # Errors
     /// When the buffer is too large to address or cannot be allocated.
-    pub(crate) fn filled(what: &str, len: usize, value: f32) -> Result<Self, AttentionError> {
+    pub(crate) fn filled(what: &str, len: usize, value: T) -> Result<Self, AttentionError> {
         let mut scratch = Self::take(what, len)?;
         scratch.data.clear();
         scratch.data.resize(scratch.start + len, value);
         Ok(scratch)
     }
 
-    /// `len` floats of any value: what a reused buffer last held (NaN
+    /// `len` elements of any value: what a reused buffer last held (NaN
     /// included), zeros where it is new. For buffers the caller writes
     /// before it reads, which spares the fill (a memset of every query
     /// tile's buffers was 6% of a 256-token forward's instructions).
@@ -55,16 +85,16 @@ impl Scratch {
     /// As [`filled`](Self::filled).
     pub(crate) fn for_writing(what: &str, len: usize) -> Result<Self, AttentionError> {
         let mut scratch = Self::take(what, len)?;
-        scratch.data.resize(scratch.start + len, 0.0);
+        scratch.data.resize(scratch.start + len, T::ZERO);
         Ok(scratch)
     }
 
-    /// A buffer with room for `len` floats from a 64-byte boundary, from
+    /// A buffer with room for `len` elements from a 64-byte boundary, from
     /// this thread's spares when one is large enough; its contents are
     /// whatever it held.
     fn take(what: &str, len: usize) -> Result<Self, AttentionError> {
-        let room = len.saturating_add(LINE);
-        let reused = SPARE.with_borrow_mut(|spare| {
+        let room = len.saturating_add(Self::LINE);
+        let reused = T::spares().with_borrow_mut(|spare| {
             // The smallest spare that fits, so large ones stay for large calls.
             let best = (0..spare.len())
                 .filter(|&i| spare[i].capacity() >= room)
@@ -75,10 +105,10 @@ impl Scratch {
             Some(data) => data,
             None => try_with_capacity(what, room)?,
         };
-        // Where the first whole cache line starts (at most LINE − 1 floats
-        // in, as the allocation is at least 4-byte aligned). The same
-        // allocation always gives the same start.
-        let start = data.as_ptr().align_offset(64).min(LINE - 1);
+        // Where the first whole cache line starts (at most LINE − 1
+        // elements in, as the allocation is aligned to its element). The
+        // same allocation always gives the same start.
+        let start = data.as_ptr().align_offset(64).min(Self::LINE - 1);
         Ok(Self { data, start, len })
     }
 
@@ -87,33 +117,34 @@ impl Scratch {
     /// # Errors
     /// As [`filled`](Self::filled).
     pub(crate) fn zeroed(what: &str, len: usize) -> Result<Self, AttentionError> {
-        Self::filled(what, len, 0.0)
+        Self::filled(what, len, T::ZERO)
     }
 }
 
-impl Deref for Scratch {
-    type Target = [f32];
+impl<T: ScratchElement> Deref for Scratch<T> {
+    type Target = [T];
 
-    fn deref(&self) -> &[f32] {
+    fn deref(&self) -> &[T] {
         &self.data[self.start..self.start + self.len]
     }
 }
 
-impl DerefMut for Scratch {
-    fn deref_mut(&mut self) -> &mut [f32] {
+impl<T: ScratchElement> DerefMut for Scratch<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
         &mut self.data[self.start..self.start + self.len]
     }
 }
 
-impl Drop for Scratch {
+impl<T: ScratchElement> Drop for Scratch<T> {
     fn drop(&mut self) {
         let data = std::mem::take(&mut self.data);
         // `try_with` and `try_borrow_mut`: a thread being torn down, or a
         // buffer dropped while the pool is in use, simply frees it.
-        let _ = SPARE.try_with(|spare| {
+        let _ = T::spares().try_with(|spare| {
             if let Ok(mut spare) = spare.try_borrow_mut() {
-                let kept: usize = spare.iter().map(|d| d.capacity() * 4).sum();
-                if kept + data.capacity() * 4 <= SPARE_BYTES {
+                let bytes = |d: &Vec<T>| d.capacity() * size_of::<T>();
+                let kept: usize = spare.iter().map(bytes).sum();
+                if kept + bytes(&data) <= SPARE_BYTES {
                     spare.push(data);
                 }
             }
@@ -133,11 +164,15 @@ mod tests {
         assert_eq!(first.as_ptr() as usize % 64, 0);
         let address = first.as_ptr();
         drop(first);
-        let second = Scratch::zeroed("a test buffer", 900).unwrap();
+        let second = Scratch::<f32>::zeroed("a test buffer", 900).unwrap();
         assert!(second.iter().all(|&x| x == 0.0));
         assert_eq!(second.as_ptr() as usize % 64, 0);
         // The same memory, reused (its start may move to stay aligned).
         assert!((second.as_ptr() as usize).abs_diff(address as usize) < 64);
+        // `u32` buffers (bf16 pairs) are aligned too, from their own pool.
+        let pairs = Scratch::<u32>::filled("a test buffer", 300, 7).unwrap();
+        assert!(pairs.iter().all(|&x| x == 7));
+        assert_eq!(pairs.as_ptr() as usize % 64, 0);
     }
 
     #[test]

@@ -501,8 +501,8 @@ impl QueryTile {
     /// rows up to `rows` are zero. Scaling Q once costs `len_q·d_k`
     /// multiplies instead of `len_q·len_kv`.
     ///
-    /// With `paired`, the rows are copied unscaled and also rounded into
-    /// `q_pairs` (exact for a `bf16` call's queries); the scores kernel
+    /// With `paired`, the rows are copied unscaled and also taken into
+    /// `q_pairs` as `bf16` (exact: a `bf16` call's queries); the scores kernel
     /// applies the scale. `q_max_abs` is then `max|q|·max(|scale|, 1)`,
     /// which bounds the unscaled products the kernel sums as well as the
     /// scaled scores.
@@ -602,16 +602,13 @@ impl QueryTile {
     }
 }
 
-/// `x` rounded to `bf16` bits, to nearest even (NaN stays NaN). Exact for
-/// an `f32` that came from a `bf16`, as a `bf16` call's inputs did.
+/// The `bf16` bits of `x`, an `f32` widened from a `bf16` (as every input
+/// of a `bf16` call is): its top half, exactly, NaN payloads included.
+/// Inputs that were not `bf16` would be truncated, not rounded; only the
+/// `bf16` prefill (`pairs.rs`) calls this, on its call's inputs.
 #[inline]
 pub(crate) fn bf16_bits(x: f32) -> u16 {
-    let bits = x.to_bits();
-    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
-    // NaN stays a quiet NaN, with its sign and the top of its payload.
-    let nan = ((bits >> 16) | 0x40) as u16;
-    // A select, not a branch, so loops over it vectorize.
-    if x.is_nan() { nan } else { rounded }
+    (x.to_bits() >> 16) as u16
 }
 
 /// `x` in `bf16` pairs: pair `p` holds `x[2p]` in its low half and

@@ -22,7 +22,7 @@
 
 use std::borrow::Cow;
 
-use ndarray::{ArrayView4, ArrayViewMut4, Axis};
+use ndarray::{ArrayView4, ArrayViewMut3, ArrayViewMut4, Axis};
 
 use crate::element::Storage;
 use crate::error::{AttentionError, ErrorKind};
@@ -135,7 +135,7 @@ impl<'a, F: Storage> Attended<'a, F> {
     /// [`attend_into`](Self::attend_into) with `q` and `out` in the compute
     /// type. The keys and values stay in the cache's type: a half-precision
     /// cache's are widened tile by tile as the kernels read them
-    /// (`Convert::attend_stored`).
+    /// (`Convert::forward_stored`).
     pub(crate) fn attend_compute_into(
         &self,
         q: ArrayView4<'_, F::Compute>,
@@ -144,7 +144,7 @@ impl<'a, F: Storage> Attended<'a, F> {
         let opts = self.options();
         let (keys, values) = (self.first.0.view(), self.first.1.view());
         let Some((later_keys, later_values)) = &self.second else {
-            return F::attend_stored(q, keys, values, &opts, out, None);
+            return attend_stored::<F>(q, keys, values, &opts, out, None);
         };
         let split = keys.len_of(Axis(2));
         let total = split + later_keys.len_of(Axis(2));
@@ -152,7 +152,7 @@ impl<'a, F: Storage> Attended<'a, F> {
         let partial = |keys, values, offset| {
             let mut partial = AttentionPartial::<F::Compute>::zeros(out.dim())?;
             let (output, log_sum_exp) = partial.parts_mut();
-            F::attend_stored(
+            attend_stored::<F>(
                 q.view(),
                 keys,
                 values,
@@ -226,4 +226,19 @@ pub(crate) fn check_decode_options<F>(
         }
         _ => Ok(()),
     }
+}
+
+/// Attention of `q` (in the compute type) over `k` and `v` stored in `F`,
+/// into `out` and, when given, `log_sum_exp` (of the output's shape).
+fn attend_stored<F: Storage>(
+    q: ArrayView4<'_, F::Compute>,
+    k: ArrayView4<'_, F>,
+    v: ArrayView4<'_, F>,
+    opts: &AttentionOptions<'_, F::Compute>,
+    out: ArrayViewMut4<'_, F::Compute>,
+    log_sum_exp: Option<ArrayViewMut3<'_, F::Compute>>,
+) -> Result<(), AttentionError> {
+    let call = crate::call::check(&q, &k, &v, opts)?;
+    crate::call::check_output(&call.shape, out.shape())?;
+    F::forward_stored(&call, out, log_sum_exp)
 }
