@@ -7,6 +7,7 @@
 //! DTYPE=f32,bf16 RAYON_NUM_THREADS=1 cargo run --release --example throughput
 //! ```
 //!
+//! `SETS=avx512` (a list of kernel set names) measures only those sets.
 //! `DTYPE` is the input type, `f32` (the default), `bf16`, or a list
 //! (`f32,bf16`): one column per type and kernel set, all in one run, so
 //! their ratios share the machine's state. A `bf16` column on a set where
@@ -77,6 +78,9 @@ fn main() {
     let sets: Vec<KernelSet> = available_kernel_sets()
         .into_iter()
         .filter(|&set| set != KernelSet::Scalar || std::env::var("SCALAR").is_ok())
+        .filter(|&set| {
+            std::env::var("SETS").map_or(true, |sets| sets.split(',').any(|s| s == set.name()))
+        })
         .collect();
     let what = if backward {
         "forward+backward"

@@ -42,7 +42,7 @@ use crate::error::AttentionError;
 use crate::gradients::GradientsViewMut;
 use crate::mask::broadcast;
 use crate::parallel::map_with;
-use crate::simd::{Kernel, WithKernel, ZeroWeights};
+use crate::simd::{Kernel, ValueRows, WithKernel, ZeroWeights};
 
 /// One backward call, waiting for its kernel.
 pub(super) struct Backward<'c, 'a, 'g> {
@@ -354,6 +354,7 @@ impl TileBuffers {
             &self.ones[..KEY_TILE],
             d_v_tile,
             ZeroWeights::Multiply,
+            ValueRows::Packed,
         );
 
         // dS = P ∘ (dP − D), with dP = dO_i · V_jᵀ; 0 wherever P is.
@@ -406,6 +407,7 @@ impl TileBuffers {
             &self.ones[..KEY_TILE],
             d_k_tile,
             ZeroWeights::Multiply,
+            ValueRows::Packed,
         );
 
         // dQ_i += dS · K_j (scaled at the end).
@@ -426,6 +428,7 @@ impl TileBuffers {
             &self.ones[..n],
             d_q_tile,
             zero_weights,
+            ValueRows::Packed,
         );
     }
 }

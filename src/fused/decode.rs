@@ -16,9 +16,9 @@ use crate::error::AttentionError;
 use crate::modifiers::apply_sink;
 use crate::parallel::map_with;
 use crate::partial::merge_row;
-use crate::simd::Kernel;
 #[cfg(feature = "half")]
 use crate::simd::Widen;
+use crate::simd::{Kernel, ValueRows};
 use num_traits::Float;
 
 /// Whether the call is a decoding step whose keys and values the kernels
@@ -174,6 +174,8 @@ impl KeyRows<'_> {
 }
 
 impl KeySource for KeyRows<'_> {
+    const VALUE_ROWS: ValueRows = ValueRows::InPlace;
+
     /// Reading keys in place works on the real rows only.
     fn computed_rows<K: Kernel>(rows: usize) -> usize {
         rows

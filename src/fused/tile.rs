@@ -16,7 +16,7 @@ use crate::call::{AttentionShape, Call};
 use crate::error::AttentionError;
 use crate::mask::{biased, broadcast};
 use crate::modifiers::apply_sink;
-use crate::simd::{Kernel, ZeroWeights};
+use crate::simd::{Kernel, ValueRows, ZeroWeights};
 
 /// Where a query tile sits: batch item, head, first row and row count.
 #[derive(Debug, Clone, Copy)]
@@ -194,6 +194,10 @@ pub(crate) fn mask<KV>(scores: &mut [f32], at: &TilePosition, j0: usize, call: &
 /// the register-tiled kernels (prefill, `forward.rs`), or its rows read in
 /// place (decode, `decode.rs`). The online softmax is the same for both.
 pub(crate) trait KeySource {
+    /// Where [`values`](Self::values) come from: a packed or widened tile
+    /// (the default), or rows read in place, which `P·V` prefetches.
+    const VALUE_ROWS: ValueRows = ValueRows::Packed;
+
     /// Rows the scores kernel computes for a tile of `rows` real rows.
     fn computed_rows<K: Kernel>(rows: usize) -> usize;
 
@@ -355,7 +359,7 @@ impl<S: KeySource> TileSource for S {
         } else {
             ZeroWeights::Multiply
         };
-        kernel.accumulate_values(p, values, width, alpha, o, zero_weights);
+        kernel.accumulate_values(p, values, width, alpha, o, zero_weights, S::VALUE_ROWS);
     }
 }
 

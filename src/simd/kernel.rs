@@ -20,7 +20,7 @@ use ndarray::ArrayView2;
 use super::scores::{RowScores, Scores};
 use super::softmax::{ExpRowsShifted, SoftmaxRows};
 use super::tanh::SoftcapScores;
-use super::values::{AccumulateValues, ZeroWeights};
+use super::values::{AccumulateValues, ValueRows, ZeroWeights};
 use super::vector::Vector;
 
 /// A kernel: an operation written once, generic over the vector type `V`
@@ -177,7 +177,8 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
     /// the `alpha.len()` rows of `p` (any strides: `p.t()` of a tile is its
     /// transpose, with no copy), the keys that are `v`'s rows, and the first
     /// `value_width` columns of `v` and `o`; `zero_weights` says whether
-    /// `v` may hold non-finite rows a zero weight must skip.
+    /// `v` may hold non-finite rows a zero weight must skip, `value_rows`
+    /// where `v` lives (whether to prefetch it).
     ///
     /// # Panics
     /// When a size does not fit (a bug in the driver, never bad user input).
@@ -189,6 +190,7 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
         alpha: &[f32],
         o: &mut [f32],
         zero_weights: ZeroWeights,
+        value_rows: ValueRows,
     ) {
         self.run(AccumulateValues {
             p,
@@ -197,6 +199,7 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
             alpha,
             o,
             zero_weights,
+            value_rows,
         })
     }
 }

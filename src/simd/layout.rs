@@ -73,20 +73,6 @@ impl Weights {
             ..self
         }
     }
-
-    /// Entry `(r, j)`.
-    ///
-    /// # Safety
-    /// The entry exists in the matrix.
-    #[inline(always)]
-    pub(crate) unsafe fn at(self, r: usize, j: usize) -> f32 {
-        // SAFETY: the caller guarantees the entry is in the matrix.
-        unsafe {
-            *self
-                .ptr
-                .offset(r as isize * self.row_stride + j as isize * self.key_stride)
-        }
-    }
 }
 
 /// How many rows ahead the in-place kernels ask for: at d = 128, 8 rows are

@@ -78,7 +78,7 @@ pub(crate) use kernel::Kernel;
 #[cfg(all(not(target_arch = "x86_64"), feature = "half"))]
 pub(crate) use no_bf16::{Bf16Dot, PAIR_KEYS};
 pub use probe::{bf16_dot_peak, fma_peak, read_rate};
-pub(crate) use values::ZeroWeights;
+pub(crate) use values::{ValueRows, ZeroWeights};
 
 /// One set of hand-vectorized kernels, named by the instruction set it needs.
 ///

@@ -6,8 +6,8 @@ use super::exp::{EXP_MIN_INPUT, exp};
 use super::kernel::KernelOp;
 use super::vector::Vector;
 use super::{
-    Kernel, KernelSet, WithKernel, ZeroWeights, available_kernel_sets, current_kernel_set,
-    selected_kernel_set, with_kernel, with_kernel_set,
+    Kernel, KernelSet, ValueRows, WithKernel, ZeroWeights, available_kernel_sets,
+    current_kernel_set, selected_kernel_set, with_kernel, with_kernel_set,
 };
 
 /// Runs `job` once per available kernel set.
@@ -302,7 +302,20 @@ impl WithKernel for TileCheck {
                 &alpha[..some],
                 &mut o,
                 ZeroWeights::Multiply,
+                ValueRows::Packed,
             );
+            // Prefetching rows in place changes nothing but the timing.
+            let mut o_in_place = o_start[..some * width].to_vec();
+            kernel.accumulate_values(
+                p.slice(ndarray::s![..some, ..]),
+                v_rows,
+                width,
+                &alpha[..some],
+                &mut o_in_place,
+                ZeroWeights::Multiply,
+                ValueRows::InPlace,
+            );
+            assert_eq!(o, o_in_place, "{}: rows in place", K::SET);
             let p = p.slice(ndarray::s![..some, ..keys]);
             check_accumulated::<K>(&o, &o_start, p, v_rows, &alpha[..some]);
             check_skipping_zero_weights(kernel, p, v_rows, &alpha[..some], &o_start, &o);
@@ -320,6 +333,7 @@ impl WithKernel for TileCheck {
             &ones,
             &mut o,
             ZeroWeights::Multiply,
+            ValueRows::Packed,
         );
         for j in 0..keys {
             for c in 0..width {
@@ -375,7 +389,7 @@ fn check_skipping_zero_weights<K: Kernel>(
     let width = v.ncols();
     let accumulate = |p: ArrayView2<'_, f32>, v: ArrayView2<'_, f32>, zero_weights| {
         let mut o = o_start[..alpha.len() * width].to_vec();
-        kernel.accumulate_values(p, v, width, alpha, &mut o, zero_weights);
+        kernel.accumulate_values(p, v, width, alpha, &mut o, zero_weights, ValueRows::Packed);
         o
     };
     let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
