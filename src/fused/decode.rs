@@ -118,7 +118,7 @@ fn decode_from<'c, K: Kernel, KV: Float + Sync, S: KeySource>(
                     let mut lse = Array1::zeros(shape.len_q);
                     let (out_view, lse_view) = (&mut out.view_mut(), Some(lse.view_mut()));
                     // The sink joins once, after the chunks merge.
-                    tile.write_output(call, &at, keys.clone(), out_view, lse_view, None);
+                    tile.write_output(kernel, call, &at, keys.clone(), out_view, lse_view, None);
                     Ok((out, lse))
                 })
                 .collect::<Result<Vec<_>, AttentionError>>()

@@ -62,7 +62,7 @@ fn prefill<K: Kernel>(
         // Fresh per job: reusing one per rayon piece (as the backward
         // does) measured 3–4% slower at N = 256, one thread.
         let mut packed = PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v)?;
-        packed.pack::<K>(head(&call.k, b, kv_h), head(&call.v, b, kv_h));
+        packed.pack(kernel, head(&call.k, b, kv_h), head(&call.v, b, kv_h));
         Ok(PackedKeys {
             packed,
             d_k: shape.d_k,
@@ -135,7 +135,15 @@ pub(super) fn prefill_with<K: Kernel, S: TileSource + Sync>(
                     let tile = tile.as_mut().map_err(|error| error.clone())?;
                     tile.attend(kernel, call, &at, &mut Shared(&source), keys.clone());
                     let sink = call.sink(at.h);
-                    tile.write_output(call, &at, keys.clone(), &mut out_tile, lse_tile, sink);
+                    tile.write_output(
+                        kernel,
+                        call,
+                        &at,
+                        keys.clone(),
+                        &mut out_tile,
+                        lse_tile,
+                        sink,
+                    );
                     Ok(())
                 },
             )

@@ -28,8 +28,9 @@ pub(crate) struct PackedHead {
     /// up to the vector width.
     rows: Scratch,
     row_width: usize,
-    /// The largest `|x|` in the first matrix (NaN ignored): with the
-    /// queries' it bounds the scores, which tells when they may overflow.
+    /// The largest `|x|` in the first matrix, or `+inf` when it holds a NaN
+    /// or an infinity: with the queries' it bounds the scores, which tells
+    /// when they may overflow.
     pub(crate) panels_max_abs: f32,
     /// Per key tile: does `rows` hold a NaN or an infinity there?
     pub(crate) tile_has_nonfinite_rows: Vec<bool>,
@@ -66,28 +67,20 @@ impl PackedHead {
     /// may hold anything before).
     pub(crate) fn pack<K: Kernel>(
         &mut self,
+        kernel: K,
         for_panels: ArrayView2<'_, f32>,
         for_rows: ArrayView2<'_, f32>,
     ) {
         let width = for_panels.ncols();
         let panel = K::KEY_PANEL;
         // Key j is column j % panel of panel j / panel, a `[width][panel]` block.
-        let max_abs = |max: f32, x: &f32| max.max(x.abs());
-        self.panels_max_abs = 0.0;
         for (j, key) in for_panels.rows().into_iter().enumerate() {
             let column = &mut self.panels[(j / panel) * panel * width + j % panel..];
             let column = column.iter_mut().step_by(panel);
-            let key_max_abs = match key.as_slice() {
-                Some(key) => {
-                    column.zip(key).for_each(|(packed, &x)| *packed = x);
-                    key.iter().fold(0.0, max_abs)
-                }
-                None => {
-                    column.zip(&key).for_each(|(packed, &x)| *packed = x);
-                    key.iter().fold(0.0, max_abs)
-                }
-            };
-            self.panels_max_abs = self.panels_max_abs.max(key_max_abs);
+            match key.as_slice() {
+                Some(key) => column.zip(key).for_each(|(packed, &x)| *packed = x),
+                None => column.zip(&key).for_each(|(packed, &x)| *packed = x),
+            }
         }
         let len_kv = for_panels.nrows();
         let padded_keys = self.panels.len().checked_div(width).unwrap_or(0);
@@ -99,15 +92,16 @@ impl PackedHead {
                 .take(width)
                 .for_each(|x| *x = 0.0);
         }
-        self.tile_has_nonfinite_rows.fill(false);
+        // One pass over the packed keys, padding (zeros) included.
+        self.panels_max_abs = kernel.max_abs(&self.panels);
         if self.row_width == 0 {
+            self.tile_has_nonfinite_rows.fill(false);
             return; // `d_v = 0`: a forward for the log-sum-exp alone.
         }
-        for (j, (row, packed)) in for_rows
+        for (row, packed) in for_rows
             .rows()
             .into_iter()
             .zip(self.rows.chunks_exact_mut(self.row_width))
-            .enumerate()
         {
             match row.as_slice() {
                 Some(row) => packed[..row.len()].copy_from_slice(row),
@@ -117,12 +111,15 @@ impl PackedHead {
                     .for_each(|(packed, &x)| *packed = x),
             }
             packed[row.len()..].fill(0.0);
-            // Not `all`: without an early exit the check vectorizes.
-            if !packed.iter().fold(true, |finite, x| finite & x.is_finite()) {
-                self.tile_has_nonfinite_rows[j / KEY_TILE] = true;
-            }
         }
         self.rows[len_kv * self.row_width..].fill(0.0);
+        for (nonfinite, tile) in self
+            .tile_has_nonfinite_rows
+            .iter_mut()
+            .zip(self.rows.chunks_exact(KEY_TILE * self.row_width))
+        {
+            *nonfinite = !kernel.all_finite(tile);
+        }
     }
 
     /// The rows of the key tile starting at `j0`, `[KEY_TILE, row_width]`.

@@ -380,7 +380,8 @@ pub(crate) struct QueryTile {
     sum: Scratch,
     alpha: Scratch,
     value_width: usize,
-    /// The largest `|x|` of the scaled query rows (NaN ignored).
+    /// The largest `|x|` of the scaled query rows, or `+inf` when one is
+    /// NaN or infinite (a bound on the scores, see `attend`).
     q_max_abs: f32,
 }
 
@@ -446,7 +447,7 @@ impl QueryTile {
     ) {
         let d_k = call.shape.d_k;
         let rows = S::computed_rows::<K>(at.rows);
-        self.load_queries(call, at, rows, S::PAIRED_QUERIES);
+        self.load_queries(kernel, call, at, rows, S::PAIRED_QUERIES);
         let span = TileSpan::of(at, call);
         // |scale·q·k| ≤ d_k·max|scale·q|·max|k|: below half of `f32::MAX`
         // (the margin covers rounding) no score can overflow, and the
@@ -510,8 +511,9 @@ impl QueryTile {
     /// applies the scale. `q_max_abs` is then `max|q|·max(|scale|, 1)`,
     /// which bounds the unscaled products the kernel sums as well as the
     /// scaled scores.
-    fn load_queries<KV>(
+    fn load_queries<K: Kernel, KV>(
         &mut self,
+        kernel: K,
         call: &Call<'_, f32, KV>,
         at: &TilePosition,
         rows: usize,
@@ -530,21 +532,15 @@ impl QueryTile {
             .zip(self.q.chunks_exact_mut(d_k))
         {
             match query.as_slice() {
-                Some(query) => {
-                    for (packed, &x) in packed.iter_mut().zip(query) {
-                        *packed = scale * x;
-                    }
-                }
+                Some(query) => kernel.scaled_copy(query, packed, scale),
                 None => {
                     for (packed, &x) in packed.iter_mut().zip(&query) {
-                        *packed = scale * x;
+                        *packed = x * scale;
                     }
                 }
             }
         }
-        self.q_max_abs = self.q[..rows * d_k]
-            .iter()
-            .fold(0.0, |max, x| max.max(x.abs()));
+        self.q_max_abs = kernel.max_abs(&self.q[..rows * d_k]);
         if paired {
             self.q_max_abs *= call.scale.abs().max(1.0);
             let d_pairs = d_k.div_ceil(2);
@@ -568,8 +564,10 @@ impl QueryTile {
     /// zeros and `−inf`; a row with an unhidden visible key got there by a
     /// non-finite input, and gets NaN with log-sum-exp `−inf` (see
     /// `mask.rs`).
-    pub(crate) fn write_output<KV>(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn write_output<K: Kernel, KV>(
         &self,
+        kernel: K,
         call: &Call<'_, f32, KV>,
         at: &TilePosition,
         keys: Range<usize>,
@@ -585,7 +583,7 @@ impl QueryTile {
             let mut lse = if sum != 0.0 {
                 // A NaN sum gives NaN in both.
                 match out_row.as_slice_mut() {
-                    Some(out) => out.iter_mut().zip(o).for_each(|(y, &x)| *y = x / sum),
+                    Some(out) => kernel.divided_copy(&o[..out.len()], out, sum),
                     None => out_row.iter_mut().zip(o).for_each(|(y, &x)| *y = x / sum),
                 }
                 self.max[r] + sum.ln()

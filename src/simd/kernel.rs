@@ -17,6 +17,7 @@
 
 use ndarray::ArrayView2;
 
+use super::rows::{AllFinite, MaxAbs, ScaledCopy};
 use super::scores::{RowScores, Scores};
 use super::softmax::{ExpRowsShifted, SoftmaxRows};
 use super::tanh::SoftcapScores;
@@ -182,6 +183,7 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
     ///
     /// # Panics
     /// When a size does not fit (a bug in the driver, never bad user input).
+    #[allow(clippy::too_many_arguments)]
     fn accumulate_values(
         self,
         p: ArrayView2<'_, f32>,
@@ -201,5 +203,42 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
             zero_weights,
             value_rows,
         })
+    }
+
+    /// `dst[i] = src[i]·factor` for the entries of `src` ([`ScaledCopy`]).
+    ///
+    /// # Panics
+    /// When `dst` is shorter than `src` (a bug in the driver).
+    fn scaled_copy(self, src: &[f32], dst: &mut [f32], factor: f32) {
+        self.run(ScaledCopy {
+            src,
+            dst,
+            factor,
+            divide: false,
+        })
+    }
+
+    /// `dst[i] = src[i]/divisor` for the entries of `src` ([`ScaledCopy`]).
+    ///
+    /// # Panics
+    /// When `dst` is shorter than `src` (a bug in the driver).
+    fn divided_copy(self, src: &[f32], dst: &mut [f32], divisor: f32) {
+        self.run(ScaledCopy {
+            src,
+            dst,
+            factor: divisor,
+            divide: true,
+        })
+    }
+
+    /// The largest `|x|`, or `+inf` when `x` holds a NaN or an infinity
+    /// ([`MaxAbs`]).
+    fn max_abs(self, x: &[f32]) -> f32 {
+        self.run(MaxAbs { x })
+    }
+
+    /// Whether every entry of `x` is finite ([`AllFinite`]).
+    fn all_finite(self, x: &[f32]) -> bool {
+        self.run(AllFinite { x })
     }
 }

@@ -13,6 +13,7 @@
 //! | `softmax.rs` | the online-softmax row pass; the backward's shifted `exp` |
 //! | `values.rs` | `O ← α·O + P·V` |
 //! | `layout.rs` | rows and strided weights read in place; prefetching |
+//! | `rows.rs` | the drivers' element-wise passes: scaled copies, magnitude bounds, finiteness |
 //! | `probe.rs` | [`fma_peak`], [`bf16_dot_peak`] and [`read_rate`]: this core's limits, for benchmarks |
 //! | `bf16.rs` | `Bf16Dot`: Q·Kᵀ and P·V on `bf16` pairs with AVX-512 BF16 (`vdpbf16ps`), for `bf16` calls |
 //! | `convert.rs` | `bf16`/`f16` → `f32` per kernel set (F16C, shifts), for half-precision caches |
@@ -26,7 +27,7 @@
 //! |---|---|---|---|---|
 //! | `scalar.rs` | [`KernelSet::Scalar`] | `f32` | 6 × 4 | 6 × 4 |
 //! | `avx2.rs` | [`KernelSet::Avx2`] | `__m256` | 6 × 16 | 6 × 16 |
-//! | `avx512.rs` | [`KernelSet::Avx512`] | `__m512` | 6 × 32 | 6 × 64 |
+//! | `avx512.rs` | [`KernelSet::Avx512`] | `__m512` | 6 × 64 | 6 × 64 |
 //! | `neon.rs` | [`KernelSet::Neon`] | `float32x4_t` | 6 × 16 | 6 × 16 |
 //!
 //! A kernel type (say `Avx512`) can only be built by its `new()`, which
@@ -53,6 +54,7 @@ mod exp;
 mod kernel;
 mod layout;
 mod probe;
+mod rows;
 mod scalar;
 mod scores;
 mod softmax;
