@@ -1,7 +1,8 @@
 //! Element-wise passes over the rows that the fused drivers copy around the
 //! products: the queries scaled as they are copied, the largest magnitude
-//! of keys and queries (which bounds the scores), the check of packed values
-//! for NaN and infinities, and the output divided by the softmax sums.
+//! of keys and queries (which bounds the scores, and finds NaN and
+//! infinities in packed values), and the output divided by the softmax
+//! sums.
 //!
 //! They are kernels only to run under a kernel set's `#[target_feature]`:
 //! written as plain loops in the drivers, they compiled for the x86-64
@@ -97,41 +98,6 @@ impl KernelOp for MaxAbs<'_> {
             return f32::INFINITY;
         }
         tail.iter().fold(max, |max, x| max.max(x.abs()))
-    }
-}
-
-/// Whether every entry of `x` is finite (no NaN, no infinity).
-pub(crate) struct AllFinite<'a> {
-    pub x: &'a [f32],
-}
-
-impl KernelOp for AllFinite<'_> {
-    type Output = bool;
-
-    #[inline(always)]
-    unsafe fn run<
-        V: Vector,
-        const ROWS: usize,
-        const KEY_VECTORS: usize,
-        const VALUE_VECTORS: usize,
-    >(
-        self,
-    ) -> bool {
-        let x = self.x;
-        let whole = x.len() - x.len() % V::LANES;
-        // SAFETY: the caller guarantees V's instruction set; each vector
-        // lies below `whole`, inside `x`.
-        let finite = unsafe {
-            // `x − x` is 0 for a finite `x` and NaN otherwise; the sum of
-            // the lanes is NaN once any is.
-            let mut poison = V::splat(0.0);
-            for i in (0..whole).step_by(V::LANES) {
-                let v = V::load(x.as_ptr().add(i));
-                poison = poison.add(v.sub(v));
-            }
-            !poison.reduce_sum().is_nan()
-        };
-        finite && x[whole..].iter().all(|x| x.is_finite())
     }
 }
 
