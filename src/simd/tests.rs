@@ -293,29 +293,28 @@ impl WithKernel for TileCheck {
         let o_start = values(rows * width, 4);
         let v_rows = ArrayView2::from_shape((keys, width), &v).unwrap();
         for some in [1, 2, K::ROWS - 1, K::ROWS + 1, rows] {
-            let mut o = o_start[..some * width].to_vec();
             let p = ArrayView2::from_shape((rows, stride), &s).unwrap();
-            kernel.accumulate_values(
-                p.slice(ndarray::s![..some, ..]),
-                v_rows,
-                width,
-                &alpha[..some],
-                &mut o,
-                ZeroWeights::Multiply,
-                ValueRows::Packed,
-            );
+            let accumulate = |value_rows| {
+                let mut o = o_start[..some * width].to_vec();
+                kernel.accumulate_values(
+                    p.slice(ndarray::s![..some, ..]),
+                    v_rows,
+                    width,
+                    &alpha[..some],
+                    &mut o,
+                    ZeroWeights::Multiply,
+                    value_rows,
+                );
+                o
+            };
+            let o = accumulate(ValueRows::Packed);
             // Prefetching rows in place changes nothing but the timing.
-            let mut o_in_place = o_start[..some * width].to_vec();
-            kernel.accumulate_values(
-                p.slice(ndarray::s![..some, ..]),
-                v_rows,
-                width,
-                &alpha[..some],
-                &mut o_in_place,
-                ZeroWeights::Multiply,
-                ValueRows::InPlace,
+            assert_eq!(
+                o,
+                accumulate(ValueRows::InPlace),
+                "{}: rows in place",
+                K::SET
             );
-            assert_eq!(o, o_in_place, "{}: rows in place", K::SET);
             let p = p.slice(ndarray::s![..some, ..keys]);
             check_accumulated::<K>(&o, &o_start, p, v_rows, &alpha[..some]);
             check_skipping_zero_weights(kernel, p, v_rows, &alpha[..some], &o_start, &o);

@@ -124,6 +124,9 @@ impl KernelOp for AccumulateValues<'_> {
 
 /// The `rows` rows of [`AccumulateValues`], `ROWS` at a time; with
 /// `PREFETCH`, value rows ahead are prefetched ([`ValueRows::InPlace`]).
+/// A constant, not a flag tested per key: the flag measured 2–3% slower
+/// across the forward grid on a Xeon (the prefetch loop stays in the
+/// packed kernel's body).
 ///
 /// # Safety
 /// As [`ValueBlock::run_columns`], for every block `block(r0)` gives.
