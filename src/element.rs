@@ -91,7 +91,9 @@ pub(crate) mod sealed {
     /// Moves arrays between a [`Storage`](super::Storage) type and the
     /// types it computes in. For an [`Element`](super::Element) every
     /// conversion is the identity and borrows or moves without copying.
-    pub trait Convert: Sized {
+    /// Plain old data (`bytemuck::Pod`): the KV cache views mapped bytes
+    /// as elements.
+    pub trait Convert: Sized + bytemuck::Pod {
         /// `x` in the compute type.
         fn to_compute<'a, D: Dimension>(
             x: ArrayView<'a, Self, D>,

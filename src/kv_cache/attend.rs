@@ -7,11 +7,12 @@
 use std::borrow::Cow;
 
 use super::attended::{Attended, DecodeCall, check_decode_options};
-use super::check::{KEYS, VALUES, zeroed_buffer};
+use super::buffer::Buffer;
+use super::check::{KEYS, VALUES};
 use crate::element::Storage;
 use crate::error::{AttentionError, ErrorKind};
 use crate::options::AttentionOptions;
-use ndarray::{Array4, ArrayView4, ArrayViewMut4, Axis, s};
+use ndarray::{ArrayView4, ArrayViewMut4, Axis, s};
 
 use super::KvCache;
 
@@ -225,11 +226,11 @@ impl<F: Storage> KvCache<F> {
 
     /// Empty key and value buffers of this cache's shape with `slots`
     /// slots, or the error of addressing or allocating them.
-    pub(super) fn buffers(&self, slots: usize) -> Result<(Array4<F>, Array4<F>), AttentionError> {
+    pub(super) fn buffers(&self, slots: usize) -> Result<(Buffer<F>, Buffer<F>), AttentionError> {
         let (batch, kv_heads, d_k, d_v) = (self.batch(), self.kv_heads(), self.d_k(), self.d_v());
         Ok((
-            zeroed_buffer(KEYS, [batch, kv_heads, slots, d_k])?,
-            zeroed_buffer(VALUES, [batch, kv_heads, slots, d_v])?,
+            Buffer::zeroed(KEYS, [batch, kv_heads, slots, d_k])?,
+            Buffer::zeroed(VALUES, [batch, kv_heads, slots, d_v])?,
         ))
     }
 }

@@ -50,6 +50,7 @@
 
 mod attend;
 mod attended;
+mod buffer;
 mod check;
 mod padding;
 mod ring;
@@ -63,6 +64,7 @@ use crate::element::Storage;
 use crate::error::{AttentionError, ErrorKind};
 use crate::options::AttentionOptions;
 use attended::{DecodeCall, check_decode_options};
+use buffer::Buffer;
 use check::{KEYS, VALUES, check_dims, zeroed_buffer};
 
 /// The keys and values of `batch` sequences being decoded, for incremental
@@ -130,13 +132,13 @@ use check::{KEYS, VALUES, check_dims, zeroed_buffer};
 /// # Ok::<(), sdpa::AttentionError>(())
 /// ```
 // No `PartialEq`: slots past `len` hold stale entries, so equal caches
-// could compare unequal.
-#[derive(Debug, Clone)]
+// could compare unequal. `Clone` and `Debug` are written out below: the
+// buffers have them only for the crate's element types.
 pub struct KvCache<F> {
     /// `[batch, kv_heads, capacity, d_k]`; slots `0..len` are filled.
-    keys: Array4<F>,
+    keys: Buffer<F>,
     /// `[batch, kv_heads, capacity, d_v]`; slots `0..len` are filled.
-    values: Array4<F>,
+    values: Buffer<F>,
     /// Entries held.
     len: usize,
     /// Positions appended since the cache was created or cleared (less any
@@ -151,6 +153,31 @@ pub struct KvCache<F> {
     /// some start later than others (left padding); `None` when every
     /// sequence starts at position 0.
     key_starts: Option<Vec<usize>>,
+}
+
+impl<F: Storage> Clone for KvCache<F> {
+    fn clone(&self) -> Self {
+        Self {
+            keys: self.keys.clone(),
+            values: self.values.clone(),
+            key_starts: self.key_starts.clone(),
+            ..*self
+        }
+    }
+}
+
+impl<F: Storage> std::fmt::Debug for KvCache<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("keys", &self.keys)
+            .field("values", &self.values)
+            .field("len", &self.len)
+            .field("total_len", &self.total_len)
+            .field("window", &self.window)
+            .field("oldest_slot", &self.oldest_slot)
+            .field("key_starts", &self.key_starts)
+            .finish()
+    }
 }
 
 impl<F: Storage> KvCache<F> {
@@ -240,8 +267,8 @@ impl<F: Storage> KvCache<F> {
         window: Option<usize>,
     ) -> Result<Self, AttentionError> {
         Ok(Self {
-            keys: zeroed_buffer(KEYS, [batch, kv_heads, capacity, d_k])?,
-            values: zeroed_buffer(VALUES, [batch, kv_heads, capacity, d_v])?,
+            keys: Buffer::zeroed(KEYS, [batch, kv_heads, capacity, d_k])?,
+            values: Buffer::zeroed(VALUES, [batch, kv_heads, capacity, d_v])?,
             len: 0,
             total_len: 0,
             window,

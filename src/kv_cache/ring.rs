@@ -17,11 +17,12 @@
 //! oldest entry, which its query must not see, before the attention. That
 //! entry is copied aside first and put back if the attention fails.
 
-use ndarray::{Array4, ArrayView4, Axis, s};
+use ndarray::{ArrayView4, Axis, s};
 
 use super::KvCache;
 use super::attended::Attended;
-use super::check::{KEYS, VALUES, zeroed_buffer};
+use super::buffer::Buffer;
+use super::check::{KEYS, VALUES};
 use crate::element::Storage;
 use crate::error::{AttentionError, ErrorKind};
 use crate::options::AttentionOptions;
@@ -130,8 +131,8 @@ impl<F: Storage> KvCache<F> {
         let oldest = self.oldest_slot;
         let slot = s![.., .., oldest..oldest + 1, ..];
         let (mut old_key, mut old_value) = self.buffers(1)?;
-        old_key.assign(&self.keys.slice(slot));
-        old_value.assign(&self.values.slice(slot));
+        old_key.view_mut().assign(&self.keys.slice(slot));
+        old_value.view_mut().assign(&self.values.slice(slot));
         self.keys.slice_mut(slot).assign(&k);
         self.values.slice_mut(slot).assign(&v);
         // The oldest position still seen is the one after the replaced entry's.
@@ -161,8 +162,8 @@ impl<F: Storage> KvCache<F> {
                 Ok(result)
             }
             Err(err) => {
-                self.keys.slice_mut(slot).assign(&old_key);
-                self.values.slice_mut(slot).assign(&old_value);
+                self.keys.slice_mut(slot).assign(&old_key.view());
+                self.values.slice_mut(slot).assign(&old_value.view());
                 Err(err)
             }
         }
@@ -207,7 +208,7 @@ impl<F: Storage> KvCache<F> {
         &self,
         k: &ArrayView4<'_, F>,
         v: &ArrayView4<'_, F>,
-    ) -> Result<(Array4<F>, Array4<F>), AttentionError> {
+    ) -> Result<(Buffer<F>, Buffer<F>), AttentionError> {
         // `total_after` has checked `total_len + n`, and `len ≤ total_len`.
         let room = self.len + k.len_of(Axis(2));
         let keys = "the held and new keys [batch, kv_heads, len + n, d_k]";
@@ -226,12 +227,12 @@ impl<F: Storage> KvCache<F> {
     fn unrolled(
         &self,
         what: &str,
-        buffer: &Array4<F>,
+        buffer: &Buffer<F>,
         count: usize,
         room: usize,
-    ) -> Result<Array4<F>, AttentionError> {
+    ) -> Result<Buffer<F>, AttentionError> {
         let (batch, kv_heads, capacity, d) = buffer.dim();
-        let mut out = zeroed_buffer(what, [batch, kv_heads, room, d])?;
+        let mut out = Buffer::zeroed(what, [batch, kv_heads, room, d])?;
         let oldest = self.oldest_slot;
         let to_end = (capacity - oldest).min(count);
         out.slice_mut(s![.., .., ..to_end, ..])
