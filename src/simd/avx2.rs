@@ -159,6 +159,6 @@ unsafe impl Vector for __m256 {
     unsafe fn prefetch(ptr: *const f32) {
         // SAFETY: SSE (part of x86-64); a prefetch never faults, whatever
         // the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.cast()) }
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(ptr.cast()) }
     }
 }

@@ -102,8 +102,10 @@ pub(crate) unsafe trait Vector: Copy {
     /// # Safety
     /// The CPU has the instruction set of `Self`.
     unsafe fn reduce_sum(self) -> f32;
-    /// Asks the CPU to start loading the cache line at `ptr` (a hint: any
-    /// address is allowed, nothing is read).
+    /// Asks the CPU to start loading the cache line at `ptr` into L2 (a
+    /// hint: any address is allowed, nothing is read). L2, not L1: a core
+    /// tracks about 16 misses into L1 but 48 or more into L2, and a stream
+    /// needs that many lines in flight to reach the memory read rate.
     ///
     /// # Safety
     /// The CPU has the instruction set of `Self`.
