@@ -6,8 +6,6 @@
 
 use ndarray::{Array1, Array2, ArrayView2, ArrayView4, ArrayViewMut3, ArrayViewMut4, Axis, s};
 
-#[cfg(feature = "half")]
-use super::scratch::Scratch;
 use super::tile::{KeySource, QueryTile, TilePosition};
 use super::{DECODE_CHUNK, DECODE_MAX_QUERIES, KEY_TILE};
 use crate::alloc::{element_count, try_with_capacity, try_zeros};
@@ -16,9 +14,7 @@ use crate::error::AttentionError;
 use crate::modifiers::apply_sink;
 use crate::parallel::map_with;
 use crate::partial::merge_row;
-#[cfg(feature = "half")]
-use crate::simd::Widen;
-use crate::simd::{Kernel, ValueRows};
+use crate::simd::{Kernel, Load, ValueRows};
 use num_traits::Float;
 
 /// Whether the call is a decoding step whose keys and values the kernels
@@ -36,55 +32,18 @@ pub(super) fn reads_keys_in_place<K: Kernel>(call: &Call<'_, f32, impl Sized>) -
         && contiguous_rows(&call.v)
 }
 
-/// Runs a decoding step (see the module header) on keys and values in
-/// `f32`, read in place.
+/// Runs a decoding step (see the module header) on keys and values read
+/// in place: `f32`, or `bf16`/`f16` (a half-precision `KvCache`), which the
+/// kernels widen as they load them, so the step reads the cache's own
+/// bytes once, half as many as an `f32` cache's.
 ///
 /// # Errors
 /// When a tile or partial-result buffer cannot be allocated.
-pub(super) fn decode<K: Kernel>(
+pub(super) fn decode<K: Kernel, KV: Load + Float>(
     kernel: K,
-    call: &Call<'_, f32>,
-    out: ArrayViewMut4<'_, f32>,
-    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
-) -> Result<(), AttentionError> {
-    decode_from(kernel, call, out, log_sum_exp, |k, v| Ok(KeyRows { k, v }))
-}
-
-/// Runs a decoding step on keys and values stored in half precision: each
-/// key tile's keys and values are widened into `f32` scratch as the tile
-/// is reached ([`WidenedRows`]), so the step reads the cache's bytes once,
-/// half as many as an `f32` cache's, and the `f32` kernels run on the
-/// scratch from L1/L2.
-///
-/// # Errors
-/// When a tile, scratch or partial-result buffer cannot be allocated.
-#[cfg(feature = "half")]
-pub(super) fn decode_widened<K: Kernel, H: Widen + Float>(
-    kernel: K,
-    call: &Call<'_, f32, H>,
-    out: ArrayViewMut4<'_, f32>,
-    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
-) -> Result<(), AttentionError> {
-    let (d_k, d_v) = (call.shape.d_k, call.shape.d_v);
-    decode_from(kernel, call, out, log_sum_exp, |k, v| {
-        Ok(WidenedRows {
-            k,
-            v,
-            k_tile: Scratch::for_writing("a widened key tile", KEY_TILE * d_k)?,
-            v_tile: Scratch::for_writing("a widened value tile", KEY_TILE * d_v)?,
-            keys: 0,
-        })
-    })
-}
-
-/// The decode driver over keys and values stored in `KV`, whose heads
-/// `source` turns into a [`KeySource`].
-fn decode_from<'c, K: Kernel, KV: Float + Sync, S: KeySource>(
-    kernel: K,
-    call: &'c Call<'_, f32, KV>,
+    call: &Call<'_, f32, KV>,
     mut out: ArrayViewMut4<'_, f32>,
     mut log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
-    source: impl Fn(ArrayView2<'c, KV>, ArrayView2<'c, KV>) -> Result<S, AttentionError> + Sync,
 ) -> Result<(), AttentionError> {
     let shape = call.shape;
     let group = shape.group();
@@ -102,7 +61,10 @@ fn decode_from<'c, K: Kernel, KV: Float + Sync, S: KeySource>(
         || QueryTile::new::<K>(&shape, shape.len_q),
         |tile, (b, kv_h, c)| {
             let tile = tile.as_mut().map_err(|error| error.clone())?;
-            let mut source = source(head(&call.k, b, kv_h), head(&call.v, b, kv_h))?;
+            let source = KeyRows {
+                k: head(&call.k, b, kv_h),
+                v: head(&call.v, b, kv_h),
+            };
             let keys = c * DECODE_CHUNK..((c + 1) * DECODE_CHUNK).min(shape.len_kv);
             (kv_h * group..(kv_h + 1) * group)
                 .map(|h| {
@@ -112,7 +74,7 @@ fn decode_from<'c, K: Kernel, KV: Float + Sync, S: KeySource>(
                         i0: 0,
                         rows: shape.len_q,
                     };
-                    tile.attend(kernel, call, &at, &mut source, keys.clone());
+                    tile.attend(kernel, call, &at, &source, keys.clone());
                     let mut out: Array2<f32> =
                         try_zeros("a decode partial", (shape.len_q, shape.d_v))?;
                     let mut lse = Array1::zeros(shape.len_q);
@@ -161,20 +123,21 @@ fn decode_from<'c, K: Kernel, KV: Float + Sync, S: KeySource>(
 
 /// One head's `k` `[len_kv, d_k]` and `v` `[len_kv, d_v]`, read in place
 /// from contiguous rows.
-struct KeyRows<'p> {
-    k: ArrayView2<'p, f32>,
-    v: ArrayView2<'p, f32>,
+struct KeyRows<'p, KV> {
+    k: ArrayView2<'p, KV>,
+    v: ArrayView2<'p, KV>,
 }
 
-impl KeyRows<'_> {
+impl<KV> KeyRows<'_, KV> {
     /// The keys of the tile starting at `j0`: a whole tile but at the end.
     fn tile(&self, j0: usize) -> std::ops::Range<usize> {
         j0..(j0 + KEY_TILE).min(self.k.nrows())
     }
 }
 
-impl KeySource for KeyRows<'_> {
+impl<KV: Load + Float> KeySource for KeyRows<'_, KV> {
     const VALUE_ROWS: ValueRows = ValueRows::InPlace;
+    type Value = KV;
 
     /// Reading keys in place works on the real rows only.
     fn computed_rows<K: Kernel>(rows: usize) -> usize {
@@ -193,96 +156,17 @@ impl KeySource for KeyRows<'_> {
     }
 
     /// The values are scanned for non-finite entries only when a weight is
-    /// 0 ([`must_skip_zero_weights`]).
-    fn values(&self, j0: usize, p: ArrayView2<'_, f32>) -> (ArrayView2<'_, f32>, bool) {
-        must_skip_zero_weights(self.v.slice(s![self.tile(j0), ..]), p)
-    }
-}
-
-/// `values` and whether `P·V` must skip the zero weights of `p`: only a
-/// weight of exactly 0 (masked or underflowed) can meet a non-finite value
-/// as `0·NaN`, so the values are scanned only when the weights hold one,
-/// which decoding over unmasked keys seldom does.
-fn must_skip_zero_weights<'v>(
-    values: ArrayView2<'v, f32>,
-    p: ArrayView2<'_, f32>,
-) -> (ArrayView2<'v, f32>, bool) {
-    let keys = values.nrows();
-    let zero_weight = p
-        .rows()
-        .into_iter()
-        .any(|row| row.iter().take(keys).any(|&w| w == 0.0));
-    let nonfinite = zero_weight && !values.iter().all(|x| x.is_finite());
-    (values, nonfinite)
-}
-
-/// One head's half-precision `k` `[len_kv, d_k]` and `v` `[len_kv, d_v]`
-/// (rows contiguous), and the current key tile's keys and values widened
-/// to `f32`: 64 rows each, 32 KiB apiece at d = 128, so the kernels read
-/// them from L1/L2 right after they are written.
-#[cfg(feature = "half")]
-struct WidenedRows<'p, H> {
-    k: ArrayView2<'p, H>,
-    v: ArrayView2<'p, H>,
-    /// `[keys][d_k]`, then `[keys][d_v]`: the tile [`load_tile`] widened.
-    k_tile: Scratch,
-    v_tile: Scratch,
-    /// Keys in that tile (`KEY_TILE` but at the end).
-    keys: usize,
-}
-
-#[cfg(feature = "half")]
-impl<H: Widen> WidenedRows<'_, H> {
-    /// Widens the rows `j0..j0 + keys` of `x` into `tile`.
-    fn widen<K: Kernel>(
-        kernel: K,
-        x: &ArrayView2<'_, H>,
-        j0: usize,
-        keys: usize,
-        tile: &mut [f32],
-    ) {
-        let d = x.ncols();
-        let rows = x.slice(s![j0..j0 + keys, ..]);
-        match rows.as_slice() {
-            // The common case, a head of a cache's buffer: one run.
-            Some(run) => H::widen(kernel, run, &mut tile[..keys * d]),
-            None => {
-                for (row, out) in rows.rows().into_iter().zip(tile.chunks_exact_mut(d)) {
-                    let row = row.to_slice().expect("the caller checked contiguous rows");
-                    H::widen(kernel, row, out);
-                }
-            }
-        }
-    }
-}
-
-#[cfg(feature = "half")]
-impl<H: Widen> KeySource for WidenedRows<'_, H> {
-    fn computed_rows<K: Kernel>(rows: usize) -> usize {
-        rows
-    }
-
-    fn load_tile<K: Kernel>(&mut self, kernel: K, j0: usize) {
-        self.keys = KEY_TILE.min(self.k.nrows() - j0);
-        Self::widen(kernel, &self.k, j0, self.keys, &mut self.k_tile);
-        Self::widen(kernel, &self.v, j0, self.keys, &mut self.v_tile);
-    }
-
-    fn scores<K: Kernel>(&self, kernel: K, q: &[f32], d_k: usize, _j0: usize, scores: &mut [f32]) {
-        let k_tile = ArrayView2::from_shape((self.keys, d_k), &self.k_tile[..self.keys * d_k])
-            .expect("load_tile filled the tile");
-        kernel.row_scores(q, d_k, k_tile, scores, KEY_TILE);
-    }
-
-    /// As for keys read in place: unknown without a second pass.
-    fn max_abs_key(&self) -> f32 {
-        f32::INFINITY
-    }
-
-    fn values(&self, _j0: usize, p: ArrayView2<'_, f32>) -> (ArrayView2<'_, f32>, bool) {
-        let d_v = self.v.ncols();
-        let values = ArrayView2::from_shape((self.keys, d_v), &self.v_tile[..self.keys * d_v])
-            .expect("load_tile filled the tile");
-        must_skip_zero_weights(values, p)
+    /// 0: only a weight of exactly 0 (masked or underflowed) can meet a
+    /// non-finite value as `0·NaN`, and decoding over unmasked keys seldom
+    /// has one.
+    fn values(&self, j0: usize, p: ArrayView2<'_, f32>) -> (ArrayView2<'_, KV>, bool) {
+        let values = self.v.slice(s![self.tile(j0), ..]);
+        let keys = values.nrows();
+        let zero_weight = p
+            .rows()
+            .into_iter()
+            .any(|row| row.iter().take(keys).any(|&w| w == 0.0));
+        let nonfinite = zero_weight && !values.iter().all(|x| x.is_finite());
+        (values, nonfinite)
     }
 }

@@ -9,7 +9,7 @@ use ndarray::{
 
 use super::decode;
 use super::pack::PackedHead;
-use super::tile::{KeySource, QueryTile, Shared, TilePosition, TileSource};
+use super::tile::{KeySource, QueryTile, TilePosition, TileSource};
 use super::{KEY_TILE, forward_query_tile};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
@@ -133,7 +133,7 @@ pub(super) fn prefill_with<K: Kernel, S: TileSource + Sync>(
                 || QueryTile::with_pairs::<K>(&shape, query_tile, S::PAIRED_QUERIES),
                 |tile, (at, mut out_tile, lse_tile)| {
                     let tile = tile.as_mut().map_err(|error| error.clone())?;
-                    tile.attend(kernel, call, &at, &mut Shared(&source), keys.clone());
+                    tile.attend(kernel, call, &at, &source, keys.clone());
                     let sink = call.sink(at.h);
                     tile.write_output(
                         kernel,
@@ -161,6 +161,8 @@ struct PackedKeys {
 }
 
 impl KeySource for PackedKeys {
+    type Value = f32;
+
     /// The register-tiled Q·Kᵀ kernel needs whole register tiles of rows
     /// (padding rows are computed and dropped).
     fn computed_rows<K: Kernel>(rows: usize) -> usize {

@@ -149,9 +149,9 @@ pub(crate) fn backward(
 /// half-precision `KvCache`'s), `q`, `out` and the log-sum-exp in `f32`.
 ///
 /// A decoding step the kernels can read in place (few queries, head dims
-/// whole vectors of the kernel set, rows contiguous) widens one key tile
-/// at a time (`decode::decode_widened`): it reads half the bytes an `f32`
-/// cache's step reads. Anything else (a prefill, odd head dims) widens
+/// whole vectors of the kernel set, rows contiguous) runs the decode
+/// driver on the half-precision rows, which its kernels widen as they load
+/// them: it reads half the bytes an `f32` cache's step reads. Anything else (a prefill, odd head dims) widens
 /// `k` and `v` whole and runs the `f32` path, which packs them anyway.
 ///
 /// # Errors
@@ -163,7 +163,7 @@ pub(crate) fn forward_stored<H>(
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError>
 where
-    H: simd::Widen + crate::element::Storage<Compute = f32> + num_traits::Float,
+    H: simd::Load + crate::element::Storage<Compute = f32> + num_traits::Float,
 {
     /// Whether the step reads keys in place on the kernel set.
     struct InPlace<'c, 'a, H>(&'c Call<'a, f32, H>);
@@ -173,22 +173,22 @@ where
             decode::reads_keys_in_place::<K>(self.0)
         }
     }
-    /// The widened decoding step.
-    struct Widened<'c, 'a, 'o, H> {
+    /// The decoding step on the half-precision rows.
+    struct Decode<'c, 'a, 'o, H> {
         call: &'c Call<'a, f32, H>,
         out: ArrayViewMut4<'o, f32>,
         log_sum_exp: Option<ArrayViewMut3<'o, f32>>,
     }
-    impl<H: simd::Widen + num_traits::Float> simd::WithKernel for Widened<'_, '_, '_, H> {
+    impl<H: simd::Load + num_traits::Float> simd::WithKernel for Decode<'_, '_, '_, H> {
         type Output = Result<(), AttentionError>;
         fn run<K: simd::Kernel>(self, kernel: K) -> Self::Output {
-            decode::decode_widened(kernel, self.call, self.out, self.log_sum_exp)
+            decode::decode(kernel, self.call, self.out, self.log_sum_exp)
         }
     }
 
     let set = simd::current_kernel_set()?;
     if simd::with_kernel(set, InPlace(call))? {
-        let job = Widened {
+        let job = Decode {
             call,
             out,
             log_sum_exp,

@@ -16,7 +16,7 @@ use crate::call::{AttentionShape, Call};
 use crate::error::AttentionError;
 use crate::mask::{biased, broadcast};
 use crate::modifiers::apply_sink;
-use crate::simd::{Kernel, ValueRows, ZeroWeights};
+use crate::simd::{Kernel, Load, ValueRows, ZeroWeights};
 
 /// Where a query tile sits: batch item, head, first row and row count.
 #[derive(Debug, Clone, Copy)]
@@ -194,19 +194,16 @@ pub(crate) fn mask<KV>(scores: &mut [f32], at: &TilePosition, j0: usize, call: &
 /// the register-tiled kernels (prefill, `forward.rs`), or its rows read in
 /// place (decode, `decode.rs`). The online softmax is the same for both.
 pub(crate) trait KeySource {
-    /// Where [`values`](Self::values) come from: a packed or widened tile
-    /// (the default), or rows read in place, which `P·V` prefetches.
+    /// Where [`values`](Self::values) come from: a packed tile (the
+    /// default), or rows read in place, which `P·V` prefetches.
     const VALUE_ROWS: ValueRows = ValueRows::Packed;
+
+    /// The element type of the value rows: `f32`, or half precision that
+    /// the `P·V` kernel widens as it loads it.
+    type Value: Load;
 
     /// Rows the scores kernel computes for a tile of `rows` real rows.
     fn computed_rows<K: Kernel>(rows: usize) -> usize;
-
-    /// Readies the key tile starting at `j0` for [`scores`](Self::scores)
-    /// and [`values`](Self::values): a source stored in half precision
-    /// widens the tile's keys and values into `f32` scratch here, so the
-    /// `f32` kernels run on it from L1/L2. Sources already in `f32` have
-    /// nothing to do.
-    fn load_tile<K: Kernel>(&mut self, _kernel: K, _j0: usize) {}
 
     /// `S = q·K_tᵀ` for the key tile starting at `j0`, into `scores`
     /// (row stride `KEY_TILE`); `q` holds the computed rows, `d_k` each.
@@ -221,7 +218,7 @@ pub(crate) trait KeySource {
     /// zero weights of `p` (the tile's weights) because a value row is not
     /// finite: a zero weight, masked or underflowed, contributes exactly
     /// nothing, never `0·NaN`.
-    fn values(&self, j0: usize, p: ArrayView2<'_, f32>) -> (ArrayView2<'_, f32>, bool);
+    fn values(&self, j0: usize, p: ArrayView2<'_, f32>) -> (ArrayView2<'_, Self::Value>, bool);
 }
 
 /// A query tile's queries as the score kernels take them.
@@ -259,10 +256,6 @@ pub(crate) trait TileSource {
     /// not known.
     fn max_abs_key(&self) -> f32;
 
-    /// Readies the key tile starting at `j0` before its scores and values
-    /// are read (see [`KeySource::load_tile`]); by default nothing.
-    fn load_tile<K: Kernel>(&mut self, _kernel: K, _j0: usize) {}
-
     /// `S = scale·q·K_tᵀ` for the key tile starting at `j0`, into `scores`
     /// (row stride `KEY_TILE`, the computed rows).
     fn tile_scores<K: Kernel>(&self, kernel: K, q: &TileQueries<'_>, j0: usize, scores: &mut [f32]);
@@ -281,46 +274,6 @@ pub(crate) trait TileSource {
     );
 }
 
-/// A source packed once and read by the query tiles of one job in
-/// parallel: shared, so nothing may be readied per tile. Sources that need
-/// [`TileSource::load_tile`] (half-precision rows) run one tile at a time
-/// in the decode driver instead.
-pub(crate) struct Shared<'s, S>(pub &'s S);
-
-impl<S: TileSource> TileSource for Shared<'_, S> {
-    const PAIRED_QUERIES: bool = S::PAIRED_QUERIES;
-
-    fn computed_rows<K: Kernel>(rows: usize) -> usize {
-        S::computed_rows::<K>(rows)
-    }
-
-    fn max_abs_key(&self) -> f32 {
-        self.0.max_abs_key()
-    }
-
-    fn tile_scores<K: Kernel>(
-        &self,
-        kernel: K,
-        q: &TileQueries<'_>,
-        j0: usize,
-        scores: &mut [f32],
-    ) {
-        self.0.tile_scores(kernel, q, j0, scores);
-    }
-
-    fn tile_values<K: Kernel>(
-        &self,
-        kernel: K,
-        j0: usize,
-        p: ArrayView2<'_, f32>,
-        alpha: &[f32],
-        o: &mut [f32],
-        width: usize,
-    ) {
-        self.0.tile_values(kernel, j0, p, alpha, o, width);
-    }
-}
-
 impl<S: KeySource> TileSource for S {
     fn computed_rows<K: Kernel>(rows: usize) -> usize {
         S::computed_rows::<K>(rows)
@@ -328,10 +281,6 @@ impl<S: KeySource> TileSource for S {
 
     fn max_abs_key(&self) -> f32 {
         KeySource::max_abs_key(self)
-    }
-
-    fn load_tile<K: Kernel>(&mut self, kernel: K, j0: usize) {
-        KeySource::load_tile(self, kernel, j0)
     }
 
     fn tile_scores<K: Kernel>(
@@ -442,7 +391,7 @@ impl QueryTile {
         kernel: K,
         call: &Call<'_, f32, KV>,
         at: &TilePosition,
-        source: &mut S,
+        source: &S,
         keys: Range<usize>,
     ) {
         let d_k = call.shape.d_k;
@@ -463,7 +412,6 @@ impl QueryTile {
         let end_tile = span.max_end.min(keys.end).div_ceil(KEY_TILE);
         for t in first_tile..end_tile {
             let j0 = t * KEY_TILE;
-            source.load_tile(kernel, j0);
             let scores = &mut self.scores[..rows * KEY_TILE];
             let queries = TileQueries {
                 rows: &self.q[..rows * d_k],

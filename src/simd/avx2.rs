@@ -1,4 +1,6 @@
 //! The AVX2 + FMA kernel set: 8 `f32` lanes in a `__m256`, 16 registers.
+//! It also needs F16C (`f16` loads), which every CPU with AVX2 has (Intel
+//! since Ivy Bridge, AMD since Piledriver, both before AVX2).
 //!
 //! Register tiles: Q·Kᵀ 6 rows × 2 vectors (16 keys) = 12 accumulators;
 //! P·V 6 rows × 2 vectors (16 value columns) = 12 accumulators, plus the
@@ -16,23 +18,26 @@ const KEY_VECTORS: usize = 2;
 /// Vectors of value columns per P·V register tile.
 const VALUE_VECTORS: usize = 2;
 
-/// The AVX2 + FMA kernels; built only on a CPU that has both.
+/// The AVX2 + FMA (+ F16C) kernels; built only on a CPU that has them.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Avx2 {
-    _cpu_has_avx2_and_fma: (),
+    _cpu_has_avx2_fma_and_f16c: (),
 }
 
 impl Avx2 {
-    /// The kernels, if this CPU has AVX2 and FMA.
+    /// The kernels, if this CPU has AVX2, FMA and F16C.
     pub(crate) fn new() -> Option<Self> {
-        (is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")).then_some(Self {
-            _cpu_has_avx2_and_fma: (),
+        (is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        .then_some(Self {
+            _cpu_has_avx2_fma_and_f16c: (),
         })
     }
 }
 
-// SAFETY: `Avx2` is built only by `new`, which checks AVX2 and FMA, the
-// features `run_unchecked` enables; it runs the operation with `__m256` and
+// SAFETY: `Avx2` is built only by `new`, which checks AVX2, FMA and F16C,
+// the features `run_unchecked` enables; it runs the operation with `__m256` and
 // the tile sizes of the constants.
 unsafe impl Kernel for Avx2 {
     type Vector = __m256;
@@ -42,19 +47,21 @@ unsafe impl Kernel for Avx2 {
 
     #[inline(always)]
     unsafe fn run_unchecked<Op: KernelOp>(op: Op) -> Op::Output {
-        #[target_feature(enable = "avx2,fma")]
+        #[target_feature(enable = "avx2,fma,f16c")]
         fn trampoline<Op: KernelOp>(op: Op) -> Op::Output {
-            // SAFETY: this function is compiled for AVX2 and FMA, `__m256`'s
-            // instruction set, and runs only where the CPU has them.
+            // SAFETY: this function is compiled for AVX2, FMA and F16C,
+            // `__m256`'s instruction set, and runs only where the CPU has
+            // them.
             unsafe { op.run::<__m256, ROWS, KEY_VECTORS, VALUE_VECTORS>() }
         }
-        // SAFETY: the caller guarantees AVX2 and FMA.
+        // SAFETY: the caller guarantees AVX2, FMA and F16C.
         unsafe { trampoline(op) }
     }
 }
 
-// SAFETY: each method is one AVX2/FMA instruction sequence on registers,
-// and the pointer methods touch the 8 `f32`s at the pointer only.
+// SAFETY: each method is one AVX2/FMA/F16C instruction sequence on
+// registers, and the pointer methods touch the 8 elements at the pointer
+// only.
 unsafe impl Vector for __m256 {
     const LANES: usize = 8;
 
@@ -67,6 +74,22 @@ unsafe impl Vector for __m256 {
     unsafe fn load(ptr: *const f32) -> Self {
         // SAFETY: AVX2 and FMA, and 8 readable `f32`s at `ptr` (the caller's).
         unsafe { _mm256_loadu_ps(ptr) }
+    }
+    #[cfg(feature = "half")]
+    #[inline(always)]
+    unsafe fn load_bf16(ptr: *const u16) -> Self {
+        // SAFETY: AVX2, and 8 readable `u16`s at `ptr` (the caller's).
+        unsafe {
+            let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(ptr.cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits))
+        }
+    }
+    #[cfg(feature = "half")]
+    #[inline(always)]
+    unsafe fn load_f16(ptr: *const u16) -> Self {
+        // SAFETY: F16C (part of this set), and 8 readable `u16`s at `ptr`
+        // (the caller's).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(ptr.cast())) }
     }
     #[inline(always)]
     unsafe fn store(self, ptr: *mut f32) {
@@ -156,7 +179,7 @@ unsafe impl Vector for __m256 {
         }
     }
     #[inline(always)]
-    unsafe fn prefetch(ptr: *const f32) {
+    unsafe fn prefetch(ptr: *const u8) {
         // SAFETY: SSE (part of x86-64); a prefetch never faults, whatever
         // the address.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(ptr.cast()) }

@@ -56,7 +56,7 @@ unsafe impl Kernel for Avx512 {
 }
 
 // SAFETY: each method is one AVX-512F instruction sequence on registers,
-// and the pointer methods touch the 16 `f32`s at the pointer only.
+// and the pointer methods touch the 16 elements at the pointer only.
 unsafe impl Vector for __m512 {
     const LANES: usize = 16;
 
@@ -69,6 +69,22 @@ unsafe impl Vector for __m512 {
     unsafe fn load(ptr: *const f32) -> Self {
         // SAFETY: AVX-512F, and 16 readable `f32`s at `ptr` (the caller's).
         unsafe { _mm512_loadu_ps(ptr) }
+    }
+    #[cfg(feature = "half")]
+    #[inline(always)]
+    unsafe fn load_bf16(ptr: *const u16) -> Self {
+        // SAFETY: AVX-512F, and 16 readable `u16`s at `ptr` (the caller's).
+        unsafe {
+            let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(ptr.cast()));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
+        }
+    }
+    #[cfg(feature = "half")]
+    #[inline(always)]
+    unsafe fn load_f16(ptr: *const u16) -> Self {
+        // SAFETY: AVX-512F, which has the 512-bit `vcvtph2ps`, and 16
+        // readable `u16`s at `ptr` (the caller's).
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(ptr.cast())) }
     }
     #[inline(always)]
     unsafe fn store(self, ptr: *mut f32) {
@@ -144,7 +160,7 @@ unsafe impl Vector for __m512 {
         unsafe { _mm512_reduce_add_ps(self) }
     }
     #[inline(always)]
-    unsafe fn prefetch(ptr: *const f32) {
+    unsafe fn prefetch(ptr: *const u8) {
         // SAFETY: SSE (part of x86-64); a prefetch never faults, whatever
         // the address.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(ptr.cast()) }

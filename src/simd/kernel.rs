@@ -22,7 +22,7 @@ use super::scores::{RowScores, Scores};
 use super::softmax::{ExpRowsShifted, SoftmaxRows};
 use super::tanh::SoftcapScores;
 use super::values::{AccumulateValues, ValueRows, ZeroWeights};
-use super::vector::Vector;
+use super::vector::{Load, Vector};
 
 /// A kernel: an operation written once, generic over the vector type `V`
 /// and the register tiles (`ROWS` query rows; `KEY_VECTORS` vectors of keys
@@ -63,9 +63,8 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
     /// The vector the kernels run on.
     type Vector: Vector;
     /// The kernel set this is: its instruction set, which a value of the
-    /// type proves, so code outside the trampoline (the conversions of
-    /// `convert.rs`) may rely on it.
-    #[cfg_attr(not(any(test, feature = "half")), allow(dead_code))]
+    /// type proves (the tests name it in their messages).
+    #[cfg_attr(not(test), allow(dead_code))]
     const SET: super::KernelSet;
     /// Query rows per register tile: tiles have a multiple of this many rows.
     const ROWS: usize;
@@ -106,15 +105,16 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
     }
 
     /// `s[r][j] = q[r]·k[j]` ([`RowScores`]) for the rows of `q` (`[rows][d]`)
-    /// and the keys that are `k`'s rows, read in place.
+    /// and the keys that are `k`'s rows, read in place (`f32` or half
+    /// precision).
     ///
     /// # Panics
     /// When a size does not fit (a bug in the driver, never bad user input).
-    fn row_scores(
+    fn row_scores<E: Load>(
         self,
         q: &[f32],
         d: usize,
-        k: ArrayView2<'_, f32>,
+        k: ArrayView2<'_, E>,
         s: &mut [f32],
         s_stride: usize,
     ) {
@@ -184,10 +184,10 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
     /// # Panics
     /// When a size does not fit (a bug in the driver, never bad user input).
     #[allow(clippy::too_many_arguments)]
-    fn accumulate_values(
+    fn accumulate_values<E: Load>(
         self,
         p: ArrayView2<'_, f32>,
-        v: ArrayView2<'_, f32>,
+        v: ArrayView2<'_, E>,
         value_width: usize,
         alpha: &[f32],
         o: &mut [f32],

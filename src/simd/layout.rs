@@ -6,19 +6,27 @@ use ndarray::ArrayView2;
 
 use super::vector::Vector;
 
-/// Rows of a matrix in memory: row `j` starts at `ptr + j·stride`.
-#[derive(Clone, Copy)]
-pub(crate) struct Rows {
-    pub ptr: *const f32,
+/// Rows of a matrix of `E` in memory: row `j` starts at `ptr + j·stride`.
+pub(crate) struct Rows<E = f32> {
+    pub ptr: *const E,
     pub stride: isize,
 }
 
-impl Rows {
+// By hand: a derive would ask `E: Copy`, which a pointer does not need.
+impl<E> Clone for Rows<E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<E> Copy for Rows<E> {}
+
+impl<E> Rows<E> {
     /// The rows of `view`.
     ///
     /// # Panics
     /// When a row of `view` is not contiguous.
-    pub(crate) fn of(view: &ArrayView2<'_, f32>) -> Self {
+    pub(crate) fn of(view: &ArrayView2<'_, E>) -> Self {
         assert!(
             view.ncols() <= 1 || view.strides()[1] == 1,
             "rows must be contiguous"
@@ -34,7 +42,7 @@ impl Rows {
     /// # Safety
     /// Row `j` exists in the matrix these rows describe.
     #[inline(always)]
-    pub(crate) unsafe fn row(self, j: usize) -> *const f32 {
+    pub(crate) unsafe fn row(self, j: usize) -> *const E {
         // SAFETY: the caller guarantees row `j` is in the matrix.
         unsafe { self.ptr.offset(j as isize * self.stride) }
     }
@@ -82,19 +90,24 @@ impl Weights {
 /// L1, as before, 53.5–54.0 ms in the same run.
 pub(crate) const PREFETCH_ROWS_AHEAD: usize = 16;
 
-/// Prefetches the `len` values at the start of row `j` (a hint: the row
-/// need not exist, since prefetching reads nothing).
+/// Prefetches the `len` elements at the start of row `j`, a cache line
+/// (64 bytes) at a time (a hint: the row need not exist, since
+/// prefetching reads nothing).
 ///
 /// # Safety
 /// The CPU has `V`'s instruction set.
 #[inline(always)]
-pub(crate) unsafe fn prefetch_row<V: Vector>(rows: Rows, j: usize, len: usize) {
+pub(crate) unsafe fn prefetch_row<V: Vector, E>(rows: Rows<E>, j: usize, len: usize) {
+    const LINE: usize = 64;
     // The address is computed with wrapping arithmetic, so it may lie past
     // the matrix: prefetching is a hint that never faults.
-    let start = rows.ptr.wrapping_offset(j as isize * rows.stride);
-    for c in (0..len).step_by(16) {
+    let start = rows
+        .ptr
+        .wrapping_offset(j as isize * rows.stride)
+        .cast::<u8>();
+    for byte in (0..len * size_of::<E>()).step_by(LINE) {
         // SAFETY: the caller guarantees V's instruction set; `prefetch`
         // accepts any address.
-        unsafe { V::prefetch(start.wrapping_add(c)) };
+        unsafe { V::prefetch(start.wrapping_add(byte)) };
     }
 }

@@ -7,7 +7,7 @@
 //! | file | what |
 //! |---|---|
 //! | `kernel.rs` | `Kernel`, what the driver sees; `KernelOp`, the shape of every kernel |
-//! | `vector.rs` | `Vector`, the register operations the kernels use |
+//! | `vector.rs` | `Vector`, the register operations the kernels use; `Load`, the element types they read in place (`f32`, and `bf16`/`f16` widened as loaded) |
 //! | `exp.rs` | the vectorised `e^x` and its constants |
 //! | `scores.rs` | `S = Q·Kᵀ`: the packed microkernel and the in-place decode kernel |
 //! | `softmax.rs` | the online-softmax row pass; the backward's shifted `exp` |
@@ -16,7 +16,6 @@
 //! | `rows.rs` | the drivers' element-wise passes: scaled copies, magnitude bounds, finiteness |
 //! | `probe.rs` | [`fma_peak`], [`bf16_dot_peak`] and [`read_rate`]: this core's limits, for benchmarks |
 //! | `bf16.rs` | `Bf16Dot`: Q·Kᵀ and P·V on `bf16` pairs with AVX-512 BF16 (`vdpbf16ps`), for `bf16` calls |
-//! | `convert.rs` | `bf16`/`f16` → `f32` per kernel set (F16C, shifts), for half-precision caches |
 //!
 //! Each instruction set has a file that implements `Vector` for its register
 //! type and `Kernel` for a kernel type, with its register tile sizes and one
@@ -48,8 +47,6 @@ use std::sync::OnceLock;
 
 use crate::error::{AttentionError, ErrorKind};
 
-#[cfg(feature = "half")]
-mod convert;
 mod exp;
 mod kernel;
 mod layout;
@@ -74,13 +71,12 @@ mod neon;
 
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
 pub(crate) use bf16::{Bf16Dot, PAIR_KEYS};
-#[cfg(feature = "half")]
-pub(crate) use convert::Widen;
 pub(crate) use kernel::Kernel;
 #[cfg(all(not(target_arch = "x86_64"), feature = "half"))]
 pub(crate) use no_bf16::{Bf16Dot, PAIR_KEYS};
 pub use probe::{bf16_dot_peak, fma_peak, read_rate};
 pub(crate) use values::{ValueRows, ZeroWeights};
+pub(crate) use vector::Load;
 
 /// One set of hand-vectorized kernels, named by the instruction set it needs.
 ///
@@ -177,8 +173,8 @@ impl FromStr for KernelSet {
 /// Whether `bf16` forward calls on kernel set `set` read their inputs as
 /// `bf16` with AVX-512 BF16 (`vdpbf16ps`) rather than converting them to
 /// `f32`: on the AVX-512 set, on a CPU with AVX-512 BF16, with the `half`
-/// feature. Decoding steps (at most 8 query rows a head) convert in any
-/// case.
+/// feature. Decoding steps (at most 8 query rows a head) widen their keys
+/// and values to `f32` as they load them, in any case.
 ///
 /// The weights `P` are then rounded to `bf16` for `P·V` (a relative error
 /// of at most 2⁻⁸ each), which moves an output by at most `2⁻⁸·max|v|`

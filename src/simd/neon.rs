@@ -52,7 +52,7 @@ unsafe impl Kernel for Neon {
 }
 
 // SAFETY: each method is one NEON instruction sequence on registers, and
-// the pointer methods touch the 4 `f32`s at the pointer only.
+// the pointer methods touch the 4 elements at the pointer only.
 unsafe impl Vector for float32x4_t {
     const LANES: usize = 4;
 
@@ -65,6 +65,23 @@ unsafe impl Vector for float32x4_t {
     unsafe fn load(ptr: *const f32) -> Self {
         // SAFETY: NEON, and 4 readable `f32`s at `ptr` (the caller's).
         unsafe { vld1q_f32(ptr) }
+    }
+    #[cfg(feature = "half")]
+    #[inline(always)]
+    unsafe fn load_bf16(ptr: *const u16) -> Self {
+        // SAFETY: NEON, and 4 readable `u16`s at `ptr` (the caller's).
+        unsafe { vreinterpretq_f32_u32(vshll_n_u16::<16>(vld1_u16(ptr))) }
+    }
+    #[cfg(feature = "half")]
+    #[inline(always)]
+    unsafe fn load_f16(ptr: *const u16) -> Self {
+        // Through `half`: NEON's `float16x4_t` is unstable in Rust.
+        // SAFETY: 4 readable `u16`s at `ptr` (the caller's), and NEON.
+        unsafe {
+            let lanes: [f32; 4] =
+                std::array::from_fn(|i| half::f16::from_bits(ptr.add(i).read_unaligned()).to_f32());
+            vld1q_f32(lanes.as_ptr())
+        }
     }
     #[inline(always)]
     unsafe fn store(self, ptr: *mut f32) {
@@ -142,7 +159,7 @@ unsafe impl Vector for float32x4_t {
         unsafe { vaddvq_f32(self) }
     }
     #[inline(always)]
-    unsafe fn prefetch(_ptr: *const f32) {
+    unsafe fn prefetch(_ptr: *const u8) {
         // The hardware prefetcher follows the row streams; stable Rust has
         // no aarch64 prefetch intrinsic.
     }

@@ -31,8 +31,8 @@ unsafe impl Kernel for Scalar {
     }
 }
 
-// SAFETY: the methods are plain `f32` arithmetic, but for `load` and
-// `store`, which touch the one `f32` at the pointer.
+// SAFETY: the methods are plain `f32` arithmetic, but for the loads and
+// `store`, which touch the one element at the pointer.
 unsafe impl Vector for f32 {
     const LANES: usize = 1;
 
@@ -44,6 +44,18 @@ unsafe impl Vector for f32 {
     unsafe fn load(ptr: *const f32) -> Self {
         // SAFETY: the caller guarantees one readable f32 at `ptr`.
         unsafe { ptr.read_unaligned() }
+    }
+    #[cfg(feature = "half")]
+    #[inline(always)]
+    unsafe fn load_bf16(ptr: *const u16) -> Self {
+        // SAFETY: the caller guarantees one readable u16 at `ptr`.
+        half::bf16::from_bits(unsafe { ptr.read_unaligned() }).to_f32()
+    }
+    #[cfg(feature = "half")]
+    #[inline(always)]
+    unsafe fn load_f16(ptr: *const u16) -> Self {
+        // SAFETY: the caller guarantees one readable u16 at `ptr`.
+        half::f16::from_bits(unsafe { ptr.read_unaligned() }).to_f32()
     }
     #[inline(always)]
     unsafe fn store(self, ptr: *mut f32) {
@@ -103,5 +115,5 @@ unsafe impl Vector for f32 {
         self
     }
     #[inline(always)]
-    unsafe fn prefetch(_ptr: *const f32) {}
+    unsafe fn prefetch(_ptr: *const u8) {}
 }

@@ -10,7 +10,7 @@ use ndarray::ArrayView2;
 
 use super::kernel::KernelOp;
 use super::layout::{PREFETCH_ROWS_AHEAD, Rows, prefetch_row};
-use super::vector::Vector;
+use super::vector::{Load, Vector};
 
 /// `s[r][j] = Σ_d q[r][d] · k[j][d]` for the rows of `q` (a multiple of
 /// `ROWS`) and the keys of `k_panels` (a multiple of the key panel,
@@ -86,16 +86,17 @@ impl KernelOp for Scores<'_> {
 
 /// `s[r][j] = Σ_d q[r][d] · k[j][d]` for the rows of `q` (`[rows][d]`, `d` a
 /// multiple of `LANES`) and the keys that are the rows of `k` (`[keys][d]`,
-/// rows contiguous), read in place. `s` has row stride `s_stride`.
-pub(crate) struct RowScores<'a> {
+/// rows contiguous), read in place, in `f32` or widened from half
+/// precision as they are loaded ([`Load`]). `s` has row stride `s_stride`.
+pub(crate) struct RowScores<'a, E> {
     pub q: &'a [f32],
     pub d: usize,
-    pub k: ArrayView2<'a, f32>,
+    pub k: ArrayView2<'a, E>,
     pub s: &'a mut [f32],
     pub s_stride: usize,
 }
 
-impl KernelOp for RowScores<'_> {
+impl<E: Load> KernelOp for RowScores<'_, E> {
     type Output = ();
 
     #[inline(always)]
@@ -125,20 +126,20 @@ impl KernelOp for RowScores<'_> {
         unsafe {
             for j in 0..keys {
                 let key = k.row(j);
-                prefetch_row::<V>(k, j + PREFETCH_ROWS_AHEAD, d);
+                prefetch_row::<V, _>(k, j + PREFETCH_ROWS_AHEAD, d);
                 for r in 0..rows {
                     let query = q.add(r * d);
                     // Two accumulators halve the chain of dependent FMAs.
                     let (mut even, mut odd) = (V::splat(0.0), V::splat(0.0));
                     let mut c = 0;
                     while c + 2 * V::LANES <= d {
-                        even = V::load(query.add(c)).mul_add(V::load(key.add(c)), even);
+                        even = V::load(query.add(c)).mul_add(E::load(key.add(c)), even);
                         odd = V::load(query.add(c + V::LANES))
-                            .mul_add(V::load(key.add(c + V::LANES)), odd);
+                            .mul_add(E::load(key.add(c + V::LANES)), odd);
                         c += 2 * V::LANES;
                     }
                     if c < d {
-                        even = V::load(query.add(c)).mul_add(V::load(key.add(c)), even);
+                        even = V::load(query.add(c)).mul_add(E::load(key.add(c)), even);
                     }
                     *s.add(r * s_stride + j) = even.add(odd).reduce_sum();
                 }

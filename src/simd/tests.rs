@@ -639,3 +639,190 @@ fn tanh_special_values() {
         }
     }
 }
+
+/// The half-precision loads and the kernels that read half-precision rows
+/// in place (a `bf16`/`f16` KV cache's decoding step).
+#[cfg(feature = "half")]
+mod half_rows {
+    use half::{bf16, f16};
+    use ndarray::{Array2, ArrayView2};
+
+    use super::{for_each_kernel_set, values};
+    use crate::simd::kernel::KernelOp;
+    use crate::simd::vector::{Load, Vector};
+    use crate::simd::{Kernel, ValueRows, WithKernel, ZeroWeights};
+
+    /// `dst = src` as `f32`, through [`Load::load`], `V::LANES` at a time
+    /// (`src.len()` a multiple of every set's lanes).
+    struct LoadAll<'a, E>(&'a [E], &'a mut [f32]);
+
+    impl<E: Load> KernelOp for LoadAll<'_, E> {
+        type Output = ();
+
+        #[inline(always)]
+        unsafe fn run<
+            V: Vector,
+            const ROWS: usize,
+            const KEY_VECTORS: usize,
+            const VALUE_VECTORS: usize,
+        >(
+            self,
+        ) {
+            let LoadAll(src, dst) = self;
+            assert!(src.len() == dst.len() && src.len().is_multiple_of(V::LANES));
+            for i in (0..src.len()).step_by(V::LANES) {
+                // SAFETY: the caller guarantees V's instruction set, and
+                // `i + LANES ≤ len` for both slices.
+                unsafe { E::load::<V>(src.as_ptr().add(i)).store(dst.as_mut_ptr().add(i)) };
+            }
+        }
+    }
+
+    #[derive(Clone)]
+    struct Widened<'a, E>(&'a [E]);
+
+    impl<E: Load> WithKernel for Widened<'_, E> {
+        type Output = Vec<f32>;
+        fn run<K: Kernel>(self, kernel: K) -> Vec<f32> {
+            let mut dst = vec![0.0; self.0.len()];
+            kernel.run(LoadAll(self.0, &mut dst));
+            dst
+        }
+    }
+
+    /// Every bit pattern, widened by every set, against `half`'s `to_f32`:
+    /// the same bits, but that a signaling NaN may stay signaling (the
+    /// first arithmetic on it quiets it).
+    fn check_every_bit_pattern<E: Load>(from_bits: fn(u16) -> E, to_f32: fn(E) -> f32) {
+        let all: Vec<E> = (0..=u16::MAX).map(from_bits).collect();
+        for (set, got) in for_each_kernel_set(Widened(&all)) {
+            for (bits, (&x, got)) in (0..=u16::MAX).zip(all.iter().zip(got)) {
+                let expected = to_f32(x);
+                assert!(
+                    got.to_bits() == expected.to_bits() || (got.is_nan() && expected.is_nan()),
+                    "{set}: {bits:#06x} widened to {got:e}, half gives {expected:e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_loads_widen_every_bit_pattern_exactly() {
+        check_every_bit_pattern(bf16::from_bits, bf16::to_f32);
+    }
+
+    #[test]
+    fn f16_loads_widen_every_bit_pattern_exactly() {
+        // Subnormals, both infinities and both NaN kinds are all in there.
+        check_every_bit_pattern(f16::from_bits, f16::to_f32);
+    }
+
+    /// Q·Kᵀ and P·V on half-precision rows read in place, against the same
+    /// kernels on the rows widened to `f32` first: the loads are exact and
+    /// the sums run in the same order, so the bits must match.
+    #[derive(Clone)]
+    struct SameAsWidened<E> {
+        d: usize,
+        width: usize,
+        from_f32: fn(f32) -> E,
+        to_f32: fn(E) -> f32,
+    }
+
+    impl<E: Load + num_traits::Float> WithKernel for SameAsWidened<E> {
+        type Output = ();
+        fn run<K: Kernel>(self, kernel: K) {
+            let (d, width) = (self.d, self.width);
+            let (rows, keys) = (3, 2 * K::KEY_PANEL + 5);
+            let half = |x: Vec<f32>| x.into_iter().map(self.from_f32).collect::<Vec<E>>();
+            let widen = |x: &[E]| x.iter().map(|&x| (self.to_f32)(x)).collect::<Vec<f32>>();
+            let q = values(rows * d, 11);
+            let k = half(values(keys * d, 12));
+            let mut v = Array2::from_shape_vec((keys, width), half(values(keys * width, 13)))
+                .expect("keys × width values");
+            let k_f32 = widen(&k);
+            let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let scores = |k: &[f32]| {
+                let mut s = vec![f32::NAN; rows * keys];
+                let k = ArrayView2::from_shape((keys, d), k).expect("keys × d");
+                kernel.row_scores(&q, d, k, &mut s, keys);
+                bits(&s)
+            };
+            let mut s = vec![f32::NAN; rows * keys];
+            let k = ArrayView2::from_shape((keys, d), &k).expect("keys × d");
+            kernel.row_scores(&q, d, k, &mut s, keys);
+            assert_eq!(bits(&s), scores(&k_f32), "{}: scores", K::SET);
+
+            // Weights with holes, over value rows with NaN and infinities
+            // behind the holes (skipped) or finite ones (multiplied).
+            let mut p =
+                Array2::from_shape_vec((rows, keys), values(rows * keys, 14)).expect("rows × keys");
+            p.column_mut(1).fill(0.0);
+            p.column_mut(keys - 2).fill(0.0);
+            let o_start = values(rows * width, 15);
+            for poisoned in [false, true] {
+                if poisoned {
+                    v.row_mut(1).fill(E::nan());
+                    v.row_mut(keys - 2).fill(E::infinity());
+                }
+                let zero = if poisoned {
+                    ZeroWeights::Skip
+                } else {
+                    ZeroWeights::Multiply
+                };
+                for rows_at in [ValueRows::Packed, ValueRows::InPlace] {
+                    let run = Accumulate {
+                        p: p.view(),
+                        o_start: &o_start,
+                        zero,
+                        rows_at,
+                    };
+                    assert_eq!(
+                        run.bits(kernel, v.view()),
+                        run.bits(kernel, v.mapv(self.to_f32).view()),
+                        "{}: values ({zero:?}, {rows_at:?})",
+                        K::SET
+                    );
+                }
+            }
+        }
+    }
+
+    /// One `accumulate_values` call but for the value rows and their type.
+    struct Accumulate<'a> {
+        p: ArrayView2<'a, f32>,
+        o_start: &'a [f32],
+        zero: ZeroWeights,
+        rows_at: ValueRows,
+    }
+
+    impl Accumulate<'_> {
+        /// The bits of `O` after the call on value rows `v`.
+        fn bits<K: Kernel, E: Load>(&self, kernel: K, v: ArrayView2<'_, E>) -> Vec<u32> {
+            const ALPHA: [f32; 3] = [0.5, 1.0, 0.25];
+            let mut o = self.o_start.to_vec();
+            let (p, width) = (self.p, v.ncols());
+            kernel.accumulate_values(p, v, width, &ALPHA, &mut o, self.zero, self.rows_at);
+            o.iter().map(|x| x.to_bits()).collect()
+        }
+    }
+
+    #[test]
+    fn kernels_read_half_rows_as_their_widened_f32() {
+        for d in [16, 64, 128] {
+            for width in [16, 48, 128] {
+                for_each_kernel_set(SameAsWidened {
+                    d,
+                    width,
+                    from_f32: bf16::from_f32,
+                    to_f32: bf16::to_f32,
+                });
+                for_each_kernel_set(SameAsWidened {
+                    d,
+                    width,
+                    from_f32: f16::from_f32,
+                    to_f32: f16::to_f32,
+                });
+            }
+        }
+    }
+}

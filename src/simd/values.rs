@@ -8,7 +8,7 @@ use ndarray::ArrayView2;
 
 use super::kernel::KernelOp;
 use super::layout::{PREFETCH_ROWS_AHEAD, Rows, Weights, prefetch_row};
-use super::vector::Vector;
+use super::vector::{Load, Vector};
 
 /// What a zero weight contributes to `P·V`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,11 +39,12 @@ pub(crate) enum ValueRows {
 
 /// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` for the `alpha.len()` rows of
 /// `p` (any strides: `p.t()` of a tile is its transpose, with no copy), the
-/// keys that are `v`'s rows (contiguous), and the first `value_width`
-/// columns (a multiple of `LANES`) of `v` and of row-major `o`.
-pub(crate) struct AccumulateValues<'a> {
+/// keys that are `v`'s rows (contiguous; `f32`, or half precision widened
+/// as loaded, [`Load`]), and the first `value_width` columns (a multiple
+/// of `LANES`) of `v` and of row-major `o`.
+pub(crate) struct AccumulateValues<'a, E> {
     pub p: ArrayView2<'a, f32>,
-    pub v: ArrayView2<'a, f32>,
+    pub v: ArrayView2<'a, E>,
     pub value_width: usize,
     pub alpha: &'a [f32],
     pub o: &'a mut [f32],
@@ -51,7 +52,7 @@ pub(crate) struct AccumulateValues<'a> {
     pub value_rows: ValueRows,
 }
 
-impl KernelOp for AccumulateValues<'_> {
+impl<E: Load> KernelOp for AccumulateValues<'_, E> {
     type Output = ();
 
     #[inline(always)]
@@ -106,16 +107,16 @@ impl KernelOp for AccumulateValues<'_> {
             use {ValueRows::*, ZeroWeights::*};
             match (zero_weights, value_rows) {
                 (Multiply, Packed) => {
-                    run_rows::<V, ROWS, VALUE_VECTORS, false, false>(block, rows, vectors)
+                    run_rows::<V, E, ROWS, VALUE_VECTORS, false, false>(block, rows, vectors)
                 }
                 (Skip, Packed) => {
-                    run_rows::<V, ROWS, VALUE_VECTORS, true, false>(block, rows, vectors)
+                    run_rows::<V, E, ROWS, VALUE_VECTORS, true, false>(block, rows, vectors)
                 }
                 (Multiply, InPlace) => {
-                    run_rows::<V, ROWS, VALUE_VECTORS, false, true>(block, rows, vectors)
+                    run_rows::<V, E, ROWS, VALUE_VECTORS, false, true>(block, rows, vectors)
                 }
                 (Skip, InPlace) => {
-                    run_rows::<V, ROWS, VALUE_VECTORS, true, true>(block, rows, vectors)
+                    run_rows::<V, E, ROWS, VALUE_VECTORS, true, true>(block, rows, vectors)
                 }
             }
         }
@@ -133,12 +134,13 @@ impl KernelOp for AccumulateValues<'_> {
 #[inline(always)]
 unsafe fn run_rows<
     V: Vector,
+    E: Load,
     const ROWS: usize,
     const NV: usize,
     const SKIP: bool,
     const PREFETCH: bool,
 >(
-    block: impl Fn(usize) -> ValueBlock,
+    block: impl Fn(usize) -> ValueBlock<E>,
     rows: usize,
     vectors: usize,
 ) {
@@ -163,16 +165,16 @@ unsafe fn run_rows<
 
 /// `MR` rows of [`AccumulateValues`], starting at their first row.
 #[derive(Clone, Copy)]
-struct ValueBlock {
+struct ValueBlock<E> {
     p: Weights,
     keys: usize,
-    v: Rows,
+    v: Rows<E>,
     value_width: usize,
     alpha: *const f32,
     o: *mut f32,
 }
 
-impl ValueBlock {
+impl<E: Load> ValueBlock<E> {
     /// All `vectors` value vectors of the block's `MR` rows, `NV` at a time;
     /// with `SKIP`, zero weights are skipped ([`ZeroWeights::Skip`]).
     ///
@@ -241,9 +243,9 @@ impl ValueBlock {
                 let v_row = self.v.row(j).add(column);
                 if PREFETCH && c0 == 0 {
                     // Later column blocks find the rows in L1.
-                    prefetch_row::<V>(self.v, j + PREFETCH_ROWS_AHEAD, self.value_width);
+                    prefetch_row::<V, _>(self.v, j + PREFETCH_ROWS_AHEAD, self.value_width);
                 }
-                let v_vectors: [V; W] = std::array::from_fn(|c| V::load(v_row.add(c * V::LANES)));
+                let v_vectors: [V; W] = std::array::from_fn(|c| E::load(v_row.add(c * V::LANES)));
                 for (acc_row, weight) in acc.iter_mut().zip(&mut weights) {
                     let here = *weight;
                     // The pointer past the last key is never read.

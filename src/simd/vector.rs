@@ -13,8 +13,8 @@
 ///
 /// # Safety
 /// An implementer promises that each method is sound when called as its
-/// `# Safety` section says, and that `load`, `store` and `prefetch` touch no
-/// memory beyond the `LANES` `f32`s at the pointer (the kernels check their
+/// `# Safety` section says, and that the loads and `store` touch no memory
+/// beyond the `LANES` elements at the pointer (the kernels check their
 /// buffer sizes in units of `LANES`).
 pub(crate) unsafe trait Vector: Copy {
     /// Number of `f32` lanes.
@@ -31,6 +31,23 @@ pub(crate) unsafe trait Vector: Copy {
     /// The CPU has the instruction set of `Self`; `LANES` `f32`s are
     /// readable at `ptr`.
     unsafe fn load(ptr: *const f32) -> Self;
+    /// `LANES` `bf16`s (their bits) read from `ptr`, widened to `f32`
+    /// exactly: a `bf16` is the top half of an `f32`. A NaN keeps its bits
+    /// (a signaling NaN is quieted by the first arithmetic on it).
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`; `LANES` `u16`s are
+    /// readable at `ptr`.
+    #[cfg(feature = "half")]
+    unsafe fn load_bf16(ptr: *const u16) -> Self;
+    /// `LANES` `f16`s (their bits) read from `ptr`, widened to `f32`
+    /// exactly (every `f16` is an `f32`, subnormals included).
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`; `LANES` `u16`s are
+    /// readable at `ptr`.
+    #[cfg(feature = "half")]
+    unsafe fn load_f16(ptr: *const u16) -> Self;
     /// Writes the lanes to `ptr`.
     ///
     /// # Safety
@@ -109,5 +126,46 @@ pub(crate) unsafe trait Vector: Copy {
     ///
     /// # Safety
     /// The CPU has the instruction set of `Self`.
-    unsafe fn prefetch(ptr: *const f32);
+    unsafe fn prefetch(ptr: *const u8);
+}
+
+/// An element type the in-place kernels read as `f32` lanes: `f32`, and
+/// `bf16` and `f16` widened by the load itself, so a half-precision KV
+/// cache is read once, in its own bytes, with no widened copy.
+pub(crate) trait Load: Copy + Send + Sync + 'static {
+    /// `V::LANES` elements read from `ptr`, as `f32` (exactly: every
+    /// element of these types is an `f32`).
+    ///
+    /// # Safety
+    /// The CPU has `V`'s instruction set; `V::LANES` elements are readable
+    /// at `ptr`.
+    unsafe fn load<V: Vector>(ptr: *const Self) -> V;
+}
+
+impl Load for f32 {
+    #[inline(always)]
+    unsafe fn load<V: Vector>(ptr: *const f32) -> V {
+        // SAFETY: the caller's guarantees are `V::load`'s.
+        unsafe { V::load(ptr) }
+    }
+}
+
+#[cfg(feature = "half")]
+impl Load for half::bf16 {
+    #[inline(always)]
+    unsafe fn load<V: Vector>(ptr: *const half::bf16) -> V {
+        // SAFETY: the caller's guarantees are `V::load_bf16`'s; a `bf16` is
+        // its 16 bits.
+        unsafe { V::load_bf16(ptr.cast()) }
+    }
+}
+
+#[cfg(feature = "half")]
+impl Load for half::f16 {
+    #[inline(always)]
+    unsafe fn load<V: Vector>(ptr: *const half::f16) -> V {
+        // SAFETY: the caller's guarantees are `V::load_f16`'s; an `f16` is
+        // its 16 bits.
+        unsafe { V::load_f16(ptr.cast()) }
+    }
 }
