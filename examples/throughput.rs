@@ -4,17 +4,18 @@
 //! ```text
 //! cargo run --release --example throughput -- [--backward] [N ...]
 //! H=8 D=64 B=1 cargo run --release --example throughput -- 256 1024 4096
-//! DTYPE=f32,bf16 RAYON_NUM_THREADS=1 cargo run --release --example throughput
+//! DTYPE=f32,bf16,f16 RAYON_NUM_THREADS=1 cargo run --release --example throughput
 //! ```
 //!
 //! `SETS=avx512` (a list of kernel set names) measures only those sets.
-//! `DTYPE` is the input type, `f32` (the default), `bf16`, or a list
-//! (`f32,bf16`): one column per type and kernel set, all in one run, so
-//! their ratios share the machine's state. A `bf16` column on a set where
-//! `bf16` runs natively ([`sdpa::simd::bf16_dot_runs_on`]: AVX-512 with
-//! AVX-512 BF16) reads as a fraction of the `vdpbf16ps` peak
+//! `DTYPE` is the input type, `f32` (the default), `bf16`, `f16`, or a
+//! list (`f32,bf16,f16`): one column per type and kernel set, all in one
+//! run, so their ratios share the machine's state. A `bf16` column on a set
+//! where `bf16` runs natively ([`sdpa::simd::bf16_dot_runs_on`]: AVX-512
+//! with AVX-512 BF16) reads as a fraction of the `vdpbf16ps` peak
 //! ([`sdpa::simd::bf16_dot_peak`]), else of the FMA peak (the inputs are
-//! converted to `f32`). The forward only (no `--backward`) for `bf16`.
+//! converted to `f32`, as `f16` inputs always are). The forward only (no
+//! `--backward`) for the half types.
 //!
 //! FLOPs counted: `4·B·H·N²·d`, half of that for causal. With `--backward`,
 //! forward (with its log-sum-exp) plus backward, counted as 3.5 times the
@@ -29,9 +30,9 @@
 
 use std::time::{Duration, Instant};
 
-use half::bf16;
+use half::{bf16, f16};
 use ndarray::Array4;
-use sdpa::AttentionOptions;
+use sdpa::{AttentionOptions, Storage};
 use sdpa::simd::{KernelSet, available_kernel_sets, bf16_dot_peak, bf16_dot_runs_on, fma_peak};
 
 #[path = "support/machine.rs"]
@@ -48,6 +49,39 @@ fn env_or(name: &str, default: usize) -> usize {
 /// [`median_seconds`] with every call of `f` on kernel set `set`.
 fn median_seconds_on(set: KernelSet, f: impl FnMut()) -> f64 {
     sdpa::simd::with_kernel_set(set, || median_seconds(f)).expect("an available kernel set")
+}
+
+/// A forward's inputs in a half-precision type.
+struct HalfInputs<H> {
+    q: Array4<H>,
+    k: Array4<H>,
+    v: Array4<H>,
+}
+
+impl<H: Storage<Compute = f32>> HalfInputs<H> {
+    /// `q`, `k` and `v` rounded to `H`.
+    fn new(q: &Array4<f32>, k: &Array4<f32>, v: &Array4<f32>, round: fn(f32) -> H) -> Self {
+        Self {
+            q: q.mapv(round),
+            k: k.mapv(round),
+            v: v.mapv(round),
+        }
+    }
+
+    /// The median seconds of a forward on `set`.
+    fn forward_seconds(&self, set: KernelSet, opts: &AttentionOptions<'_, f32>) -> f64 {
+        let mut out = Array4::<H>::zeros(self.q.dim());
+        median_seconds_on(set, || {
+            sdpa::scaled_dot_product_attention_into(
+                self.q.view(),
+                self.k.view(),
+                self.v.view(),
+                opts,
+                out.view_mut(),
+            )
+            .expect("valid shapes");
+        })
+    }
 }
 
 fn median_seconds(mut f: impl FnMut()) -> f64 {
@@ -99,8 +133,8 @@ fn main() {
         .map(|t| t.trim().to_lowercase())
         .collect();
     assert!(
-        dtypes.iter().all(|t| t == "f32" || t == "bf16"),
-        "DTYPE takes f32, bf16 or a list of them"
+        dtypes.iter().all(|t| ["f32", "bf16", "f16"].contains(&t.as_str())),
+        "DTYPE takes f32, bf16, f16 or a list of them"
     );
     assert!(
         !backward || dtypes.iter().all(|t| t == "f32"),
@@ -150,12 +184,8 @@ fn main() {
         });
         let (k, v) = (q.mapv(|x| -x * 0.5), q.mapv(|x| x * 0.25 + 0.1));
         let mut out = Array4::<f32>::zeros((batch, heads, n, d));
-        let (q16, k16, v16) = (
-            q.mapv(bf16::from_f32),
-            k.mapv(bf16::from_f32),
-            v.mapv(bf16::from_f32),
-        );
-        let mut out16 = Array4::<bf16>::zeros((batch, heads, n, d));
+        let as_bf16 = HalfInputs::new(&q, &k, &v, bf16::from_f32);
+        let as_f16 = HalfInputs::new(&q, &k, &v, f16::from_f32);
         for causal in [false, true] {
             let flops = 4.0 * (batch * heads * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };
             let flops = if backward { 3.5 * flops } else { flops };
@@ -164,16 +194,9 @@ fn main() {
                 let opts = AttentionOptions::new();
                 let opts = if causal { opts.causal() } else { opts };
                 let seconds = if dtype == "bf16" {
-                    median_seconds_on(set, || {
-                        sdpa::scaled_dot_product_attention_into(
-                            q16.view(),
-                            k16.view(),
-                            v16.view(),
-                            &opts,
-                            out16.view_mut(),
-                        )
-                        .expect("valid shapes");
-                    })
+                    as_bf16.forward_seconds(set, &opts)
+                } else if dtype == "f16" {
+                    as_f16.forward_seconds(set, &opts)
                 } else if backward {
                     median_seconds_on(set, || {
                         let forward = sdpa::scaled_dot_product_attention_partial(
