@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use ndarray::Array4;
-use sdpa::{AttentionOptions, Storage};
 use sdpa::simd::{KernelSet, available_kernel_sets, bf16_dot_peak, bf16_dot_runs_on, fma_peak};
+use sdpa::{AttentionOptions, Storage};
 
 #[path = "support/machine.rs"]
 mod machine;
@@ -133,7 +133,9 @@ fn main() {
         .map(|t| t.trim().to_lowercase())
         .collect();
     assert!(
-        dtypes.iter().all(|t| ["f32", "bf16", "f16"].contains(&t.as_str())),
+        dtypes
+            .iter()
+            .all(|t| ["f32", "bf16", "f16"].contains(&t.as_str())),
         "DTYPE takes f32, bf16, f16 or a list of them"
     );
     assert!(

@@ -104,8 +104,8 @@ pub(crate) fn forward(
 }
 
 /// Attention on the fused path for a `bf16` call, whose inputs `call`
-/// holds converted (exactly) to `f32`: on a CPU with AVX-512 BF16 and the
-/// AVX-512 kernel set chosen (by the CPU, `SDPA_KERNEL` or
+/// holds converted (exactly) to `f32`: where [`simd::bf16_dot_runs_on`]
+/// the kernel set chosen (by the CPU, `SDPA_KERNEL` or
 /// [`simd::with_kernel_set`]), the prefill reads them as `bf16` pairs
 /// with `vdpbf16ps` (`pairs.rs`); else, and for decoding steps, it is
 /// [`forward`].
@@ -125,7 +125,7 @@ pub(crate) fn forward_bf16(
         log_sum_exp,
     };
     match simd::Bf16Dot::new() {
-        Some(dot) if set == simd::KernelSet::Avx512 => {
+        Some(dot) if simd::bf16_dot_runs_on(set) => {
             simd::with_kernel(set, pairs::Bf16Forward { forward, dot })?
         }
         _ => simd::with_kernel(set, forward)?,

@@ -58,6 +58,25 @@ impl Bf16Dot {
         })
     }
 
+    /// Whether this CPU's `vdpbf16ps` outruns its `f32` FMAs, so that
+    /// reading `bf16` natively pays. Measured with `examples/peak`, one
+    /// thread: AMD Zen 4 232 GFLOP/s against 115 for FMAs (2.0×); Intel
+    /// Sapphire Rapids (family 6 model 167) 107 against 214 and Emerald
+    /// Rapids (model 207) 80–85 against 168–175 (0.5×), where the native
+    /// `bf16` forward ran 0.45–0.7× the path that converts to `f32`
+    /// (`docs/PERFORMANCE.md`). So: every CPU but Intel's. Decided from
+    /// the vendor (`cpuid`), not by timing at run time, so that which path
+    /// a call takes, and so its bits, never depends on a measurement.
+    pub(crate) fn outruns_fma() -> bool {
+        static NOT_INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *NOT_INTEL.get_or_init(|| {
+            // Leaf 0: the vendor string in EBX, EDX, ECX.
+            let vendor = __cpuid(0);
+            let name = [vendor.ebx, vendor.edx, vendor.ecx].map(u32::to_le_bytes);
+            name.concat() != b"GenuineIntel"
+        })
+    }
+
     /// `s[r][j] = scale · Σ_p q_pairs[r][p] · k_pairs[p][j]` for the
     /// `q_pairs.len() / d_pairs` rows (any number) and the [`PAIR_KEYS`]
     /// keys of one packed key tile `k_pairs` (`[d_pairs][PAIR_KEYS]`); `s`

@@ -173,8 +173,11 @@ impl FromStr for KernelSet {
 /// Whether `bf16` forward calls on kernel set `set` read their inputs as
 /// `bf16` with AVX-512 BF16 (`vdpbf16ps`) rather than converting them to
 /// `f32`: on the AVX-512 set, on a CPU with AVX-512 BF16, with the `half`
-/// feature. Decoding steps (at most 8 query rows a head) widen their keys
-/// and values to `f32` as they load them, in any case.
+/// feature, where that CPU's `vdpbf16ps` outruns its `f32` FMAs (AMD's
+/// Zen 4 and 5: twice; Intel's Sapphire and Emerald Rapids: half, so there
+/// converting is faster), unless [`with_bf16_dot`] decides otherwise.
+/// Decoding steps (at most 8 query rows a head) widen their keys and values
+/// to `f32` as they load them, in any case.
 ///
 /// The weights `P` are then rounded to `bf16` for `P·V` (a relative error
 /// of at most 2⁻⁸ each), which moves an output by at most `2⁻⁸·max|v|`
@@ -186,13 +189,42 @@ impl FromStr for KernelSet {
 /// ```
 pub fn bf16_dot_runs_on(set: KernelSet) -> bool {
     #[cfg(all(target_arch = "x86_64", feature = "half"))]
-    let native = set == KernelSet::Avx512 && Bf16Dot::new().is_some();
+    let native = set == KernelSet::Avx512
+        && Bf16Dot::new().is_some()
+        && FORCED_BF16_DOT
+            .with(Cell::get)
+            .unwrap_or_else(Bf16Dot::outruns_fma);
     #[cfg(not(all(target_arch = "x86_64", feature = "half")))]
     let native = {
         let _ = set;
         false
     };
     native
+}
+
+/// Runs `f` with the `bf16` forward calls it makes on this thread reading
+/// `bf16` natively (`native`, where [`bf16_dot_runs_on`] could at all: the
+/// AVX-512 set on a CPU with AVX-512 BF16) or converting to `f32` (`!native`),
+/// whatever this CPU's default: for tests and benchmarks that compare the
+/// two. The previous choice is restored when `f` returns or panics; calls
+/// nest, and cover what [`with_kernel_set`]'s would.
+///
+/// ```
+/// use sdpa::simd::{KernelSet, bf16_dot_runs_on, with_bf16_dot};
+///
+/// assert!(!with_bf16_dot(false, || bf16_dot_runs_on(KernelSet::Avx512)));
+/// assert!(!with_bf16_dot(true, || bf16_dot_runs_on(KernelSet::Scalar)));
+/// ```
+pub fn with_bf16_dot<R>(native: bool, f: impl FnOnce() -> R) -> R {
+    /// Puts the previous choice back, also when `f` unwinds.
+    struct Restore(Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FORCED_BF16_DOT.with(|forced| forced.set(self.0));
+        }
+    }
+    let _restore = Restore(FORCED_BF16_DOT.with(|forced| forced.replace(Some(native))));
+    f()
 }
 
 /// The kernel sets this CPU can run, slowest first.
@@ -227,6 +259,8 @@ pub fn selected_kernel_set() -> Result<KernelSet, AttentionError> {
 thread_local! {
     /// The set [`with_kernel_set`] forces on this thread, if any.
     static FORCED: Cell<Option<KernelSet>> = const { Cell::new(None) };
+    /// The `bf16` path [`with_bf16_dot`] forces on this thread, if any.
+    static FORCED_BF16_DOT: Cell<Option<bool>> = const { Cell::new(None) };
 }
 
 /// Runs `f` with every `f32` attention call it makes on this thread using

@@ -1,8 +1,11 @@
 //! The `bf16` forward on AVX-512 BF16 (`vdpbf16ps`): against `core` in
 //! `f64` on the same rounded inputs, on shapes and options the prefill
 //! reaches; NaN in masked keys and values; rows that see nothing; and
-//! bitwise the same result for 1 and 2 threads. Skipped where the CPU has
-//! no AVX-512 BF16 (then `bf16` converts to `f32`, which `half.rs` tests).
+//! bitwise the same result for 1 and 2 threads. The native path is forced
+//! with `with_bf16_dot(true, ..)`, so it is tested also on CPUs whose
+//! default is to convert (Intel's, where `vdpbf16ps` is the slower);
+//! skipped where the CPU has no AVX-512 BF16 (then `bf16` converts to
+//! `f32`, which `half.rs` tests).
 //!
 //! The bound asserted, per output entry, against `r`, the `f64` reference:
 //!
@@ -19,15 +22,15 @@
 
 use half::bf16;
 use ndarray::{Array4, s};
-use sdpa::simd::{KernelSet, bf16_dot_runs_on, with_kernel_set};
+use sdpa::simd::{KernelSet, bf16_dot_runs_on, with_bf16_dot, with_kernel_set};
 use sdpa::{AttentionOptions, CausalAlignment, alibi_slopes, scaled_dot_product_attention};
 
 use crate::common::Rng;
 use crate::common::with_threads;
 
-/// The AVX-512 set, when bf16 runs natively on it here.
+/// The AVX-512 set, when bf16 can run natively on it here.
 fn native() -> Option<KernelSet> {
-    bf16_dot_runs_on(KernelSet::Avx512).then_some(KernelSet::Avx512)
+    with_bf16_dot(true, || bf16_dot_runs_on(KernelSet::Avx512)).then_some(KernelSet::Avx512)
 }
 
 fn random(rng: &mut Rng, shape: [usize; 4], spread: f64) -> Array4<bf16> {
@@ -45,8 +48,10 @@ fn run(
     v: &Array4<bf16>,
     opts: &AttentionOptions<'_, f32>,
 ) -> Array4<bf16> {
-    with_kernel_set(set, || {
-        scaled_dot_product_attention(q.view(), k.view(), v.view(), opts)
+    with_bf16_dot(true, || {
+        with_kernel_set(set, || {
+            scaled_dot_product_attention(q.view(), k.view(), v.view(), opts)
+        })
     })
     .expect("the set runs here")
     .expect("the call runs")
@@ -241,6 +246,15 @@ fn the_native_path_is_taken_and_differs_from_converting_only_by_the_weights() {
         differing > 0,
         "the bf16 weights change some outputs: the native path ran"
     );
+    // Told to convert, a bf16 call is the f32 path rounded once.
+    let told_to_convert = with_bf16_dot(false, || {
+        with_kernel_set(set, || {
+            scaled_dot_product_attention(c.q.view(), c.k.view(), c.v.view(), &opts)
+        })
+    })
+    .expect("the set runs")
+    .expect("the call runs");
+    assert_eq!(told_to_convert, converted);
     let max_v = c.max_abs_v();
     for (a, b) in got.iter().zip(&f32_path) {
         let bound = max_v / 256.0 + b.abs() as f64 / 256.0 + 1e-6;
