@@ -105,7 +105,7 @@ pub(crate) fn forward(
 
 /// Attention on the fused path for a `bf16` call, whose inputs `call`
 /// holds converted (exactly) to `f32`: where [`simd::bf16_dot_runs_on`]
-/// the kernel set chosen (by the CPU, `SDPA_KERNEL` or
+/// says so for the kernel set chosen (by the CPU, `SDPA_KERNEL` or
 /// [`simd::with_kernel_set`]), the prefill reads them as `bf16` pairs
 /// with `vdpbf16ps` (`pairs.rs`); else, and for decoding steps, it is
 /// [`forward`].
@@ -151,8 +151,9 @@ pub(crate) fn backward(
 /// A decoding step the kernels can read in place (few queries, head dims
 /// whole vectors of the kernel set, rows contiguous) runs the decode
 /// driver on the half-precision rows, which its kernels widen as they load
-/// them: it reads half the bytes an `f32` cache's step reads. Anything else (a prefill, odd head dims) widens
-/// `k` and `v` whole and runs the `f32` path, which packs them anyway.
+/// them: it reads half the bytes an `f32` cache's step reads. Anything
+/// else (a prefill, odd head dims) widens `k` and `v` whole and runs the
+/// `f32` path, which packs them anyway.
 ///
 /// # Errors
 /// As [`forward`], and when the widened copies cannot be allocated.
