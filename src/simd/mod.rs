@@ -44,6 +44,7 @@ use std::cell::Cell;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::OnceLock;
+use std::thread::LocalKey;
 
 use crate::error::{AttentionError, ErrorKind};
 
@@ -216,14 +217,24 @@ pub fn bf16_dot_runs_on(set: KernelSet) -> bool {
 /// assert!(!with_bf16_dot(true, || bf16_dot_runs_on(KernelSet::Scalar)));
 /// ```
 pub fn with_bf16_dot<R>(native: bool, f: impl FnOnce() -> R) -> R {
-    /// Puts the previous choice back, also when `f` unwinds.
-    struct Restore(Option<bool>);
-    impl Drop for Restore {
+    with_forced(&FORCED_BF16_DOT, native, f)
+}
+
+/// Runs `f` with this thread's override `slot` set to `value`, and puts
+/// the previous override back when `f` returns or unwinds (so calls nest).
+fn with_forced<T: Copy + 'static, R>(
+    slot: &'static LocalKey<Cell<Option<T>>>,
+    value: T,
+    f: impl FnOnce() -> R,
+) -> R {
+    /// Puts the previous override back, also when `f` unwinds.
+    struct Restore<T: Copy + 'static>(&'static LocalKey<Cell<Option<T>>>, Option<T>);
+    impl<T: Copy + 'static> Drop for Restore<T> {
         fn drop(&mut self) {
-            FORCED_BF16_DOT.with(|forced| forced.set(self.0));
+            self.0.with(|forced| forced.set(self.1));
         }
     }
-    let _restore = Restore(FORCED_BF16_DOT.with(|forced| forced.replace(Some(native))));
+    let _restore = Restore(slot, slot.with(|forced| forced.replace(Some(value))));
     f()
 }
 
@@ -290,16 +301,8 @@ thread_local! {
 /// # Errors
 /// When this CPU cannot run `set` (then `f` is not run).
 pub fn with_kernel_set<R>(set: KernelSet, f: impl FnOnce() -> R) -> Result<R, AttentionError> {
-    /// Puts the previous override back, also when `f` unwinds.
-    struct Restore(Option<KernelSet>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            FORCED.with(|forced| forced.set(self.0));
-        }
-    }
     check_available(set)?;
-    let _restore = Restore(FORCED.with(|forced| forced.replace(Some(set))));
-    Ok(f())
+    Ok(with_forced(&FORCED, set, f))
 }
 
 /// The kernel set a call starting now on this thread runs on: the one

@@ -734,23 +734,17 @@ mod half_rows {
             let (d, width) = (self.d, self.width);
             let (rows, keys) = (3, 2 * K::KEY_PANEL + 5);
             let half = |x: Vec<f32>| x.into_iter().map(self.from_f32).collect::<Vec<E>>();
-            let widen = |x: &[E]| x.iter().map(|&x| (self.to_f32)(x)).collect::<Vec<f32>>();
             let q = values(rows * d, 11);
             let k = half(values(keys * d, 12));
             let mut v = Array2::from_shape_vec((keys, width), half(values(keys * width, 13)))
                 .expect("keys × width values");
-            let k_f32 = widen(&k);
-            let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            let scores = |k: &[f32]| {
-                let mut s = vec![f32::NAN; rows * keys];
-                let k = ArrayView2::from_shape((keys, d), k).expect("keys × d");
-                kernel.row_scores(&q, d, k, &mut s, keys);
-                bits(&s)
-            };
-            let mut s = vec![f32::NAN; rows * keys];
             let k = ArrayView2::from_shape((keys, d), &k).expect("keys × d");
-            kernel.row_scores(&q, d, k, &mut s, keys);
-            assert_eq!(bits(&s), scores(&k_f32), "{}: scores", K::SET);
+            assert_eq!(
+                score_bits(kernel, &q, k),
+                score_bits(kernel, &q, k.mapv(self.to_f32).view()),
+                "{}: scores",
+                K::SET
+            );
 
             // Weights with holes, over value rows with NaN and infinities
             // behind the holes (skipped) or finite ones (multiplied).
@@ -785,6 +779,14 @@ mod half_rows {
                 }
             }
         }
+    }
+
+    /// The bits of `q·kᵀ` by `row_scores`, for keys `k` of any row type.
+    fn score_bits<K: Kernel, E: Load>(kernel: K, q: &[f32], k: ArrayView2<'_, E>) -> Vec<u32> {
+        let (keys, d) = k.dim();
+        let mut s = vec![f32::NAN; q.len() / d * keys];
+        kernel.row_scores(q, d, k, &mut s, keys);
+        s.iter().map(|x| x.to_bits()).collect()
     }
 
     /// One `accumulate_values` call but for the value rows and their type.
