@@ -104,8 +104,8 @@ pub fn scaled_dot_product_attention<F: Storage>(
     let (q, k, v) = (q.view(), k.view(), v.view());
     let call = call::check(&q, &k, &v, opts)?;
     let mut out = alloc::try_zeros("the output", call.shape.output_dim())?;
-    F::forward_converted(&call, out.view_mut(), None)?;
-    F::from_compute(out)
+    F::write_compute(out.view_mut(), |out| F::forward_converted(&call, out, None))?;
+    Ok(out)
 }
 
 /// [`scaled_dot_product_attention`] writing into a caller's buffer `out`
@@ -181,11 +181,12 @@ pub fn scaled_dot_product_attention_partial<F: Storage>(
     let (q, k, v) = (F::to_compute(q)?, F::to_compute(k)?, F::to_compute(v)?);
     let (q, k, v) = (q.view(), k.view(), v.view());
     let call = call::check(&q, &k, &v, opts)?;
-    let mut partial = AttentionPartial::<F::Compute>::zeros(call.shape.output_dim())?;
+    let mut partial = AttentionPartial::<F>::zeros(call.shape.output_dim())?;
     let (output, log_sum_exp) = partial.parts_mut();
-    F::forward_converted(&call, output, Some(log_sum_exp))?;
-    let (output, log_sum_exp) = partial.into_parts();
-    AttentionPartial::from_parts(F::from_compute(output)?, log_sum_exp)
+    F::write_compute(output, |output| {
+        F::forward_converted(&call, output, Some(log_sum_exp))
+    })?;
+    Ok(partial)
 }
 
 /// The gradients of a scalar loss with respect to `q`, `k`, `v` and the

@@ -26,7 +26,7 @@
 use ndarray::{Array3, Array4, ArrayView3, ArrayView4, ArrayViewMut1, Zip};
 use num_traits::Float;
 
-use crate::element::{Element, Storage};
+use crate::element::Storage;
 use crate::error::{AttentionError, shape_error};
 
 /// Attention over a shard of the keys: the output normalised over the
@@ -44,15 +44,74 @@ use crate::error::{AttentionError, shape_error};
 /// [`from_parts`](Self::from_parts).
 ///
 /// The log-sum-exp is in the call's compute type
-/// ([`Storage::Compute`]): `f32` for a `bf16` or `f16` output. Merging is
-/// for `f32` and `f64` partials.
+/// ([`Storage::Compute`]): `f32` for a `bf16` or `f16` output, whose
+/// partials merge in `f32` and round their output back once.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttentionPartial<F: Storage> {
     output: Array4<F>,
     log_sum_exp: Array3<F::Compute>,
 }
 
-impl<F: Element> AttentionPartial<F> {
+impl<F: Storage> AttentionPartial<F> {
+    /// Merges `other` (attention over other keys, same queries) into `self`.
+    ///
+    /// A `bf16` or `f16` partial is merged in `f32` (its output widened
+    /// exactly) and its output rounded back once; to merge many, use
+    /// [`merge_all`](Self::merge_all), which rounds once for all of them.
+    ///
+    /// # Errors
+    /// When the two partials' shapes differ, or a half-precision output's
+    /// `f32` copy cannot be allocated.
+    pub fn merge(&mut self, other: &Self) -> Result<(), AttentionError> {
+        self.merge_in(std::slice::from_ref(other))
+    }
+
+    /// Merges any number of partials, in order. Half-precision outputs are
+    /// merged in `f32` and rounded once, at the end.
+    ///
+    /// # Errors
+    /// When there are none, or their shapes differ, or a half-precision
+    /// output's `f32` copy cannot be allocated.
+    pub fn merge_all(partials: impl IntoIterator<Item = Self>) -> Result<Self, AttentionError> {
+        let mut partials = partials.into_iter();
+        let mut merged = partials
+            .next()
+            .ok_or_else(|| shape_error("merge_all needs at least one partial"))?;
+        let rest: Vec<Self> = partials.collect();
+        merged.merge_in(&rest)?;
+        Ok(merged)
+    }
+
+    /// Merges `others` into `self` in order, in the compute type.
+    fn merge_in(&mut self, others: &[Self]) -> Result<(), AttentionError> {
+        if let Some(other) = others
+            .iter()
+            .find(|other| other.output.shape() != self.output.shape())
+        {
+            return Err(shape_error(format!(
+                "cannot merge partials of shapes {:?} and {:?}",
+                self.output.shape(),
+                other.output.shape()
+            )));
+        }
+        let log_sum_exp = &mut self.log_sum_exp;
+        F::update_compute(self.output.view_mut(), |mut output| {
+            for other in others {
+                let other_output = F::to_compute(other.output.view())?;
+                Zip::from(output.rows_mut())
+                    .and(&mut *log_sum_exp)
+                    .and(other_output.view().rows())
+                    .and(&other.log_sum_exp)
+                    .for_each(|out, lse, other_out, &other_lse| {
+                        merge_row(out, lse, other_out.iter().copied(), other_lse);
+                    });
+            }
+            Ok(())
+        })
+    }
+}
+
+impl<F: Storage> AttentionPartial<F> {
     /// Zero output and log-sum-exp of the given shape, to be written.
     pub(crate) fn zeros(output_dim: (usize, usize, usize, usize)) -> Result<Self, AttentionError> {
         let (b, h, l, _) = output_dim;
@@ -65,49 +124,13 @@ impl<F: Element> AttentionPartial<F> {
     /// Both arrays, to be written by a forward path.
     pub(crate) fn parts_mut(
         &mut self,
-    ) -> (ndarray::ArrayViewMut4<'_, F>, ndarray::ArrayViewMut3<'_, F>) {
+    ) -> (
+        ndarray::ArrayViewMut4<'_, F>,
+        ndarray::ArrayViewMut3<'_, F::Compute>,
+    ) {
         (self.output.view_mut(), self.log_sum_exp.view_mut())
     }
 
-    /// Merges `other` (attention over other keys, same queries) into `self`.
-    ///
-    /// # Errors
-    /// When the two partials' shapes differ.
-    pub fn merge(&mut self, other: &Self) -> Result<(), AttentionError> {
-        if self.output.shape() != other.output.shape() {
-            return Err(shape_error(format!(
-                "cannot merge partials of shapes {:?} and {:?}",
-                self.output.shape(),
-                other.output.shape()
-            )));
-        }
-        Zip::from(self.output.rows_mut())
-            .and(&mut self.log_sum_exp)
-            .and(other.output.rows())
-            .and(&other.log_sum_exp)
-            .for_each(|out, lse, other_out, &other_lse| {
-                merge_row(out, lse, other_out.iter().copied(), other_lse);
-            });
-        Ok(())
-    }
-
-    /// Merges any number of partials, in order.
-    ///
-    /// # Errors
-    /// When there are none, or their shapes differ.
-    pub fn merge_all(partials: impl IntoIterator<Item = Self>) -> Result<Self, AttentionError> {
-        let mut partials = partials.into_iter();
-        let mut merged = partials
-            .next()
-            .ok_or_else(|| shape_error("merge_all needs at least one partial"))?;
-        for partial in partials {
-            merged.merge(&partial)?;
-        }
-        Ok(merged)
-    }
-}
-
-impl<F: Storage> AttentionPartial<F> {
     /// A partial from its two arrays, e.g. received from another machine.
     ///
     /// # Errors

@@ -31,7 +31,8 @@
 //! - `pack.rs`: the packed layouts the kernels read;
 //! - `pairs.rs`: a `bf16` call's keys and values packed as `bf16` pairs for
 //!   AVX-512 BF16, a key source for the same prefill driver;
-//! - `scratch.rs`: aligned working buffers, kept per thread across calls;
+//! - `scratch.rs`: aligned working buffers, kept per thread across calls
+//!   (a half-precision call's converted copies come from the same pool);
 //! - `backward.rs`: the gradients, on the same kernels.
 
 mod backward;
@@ -40,7 +41,7 @@ mod forward;
 mod pack;
 #[cfg(feature = "half")]
 mod pairs;
-mod scratch;
+pub(crate) mod scratch;
 mod tile;
 
 use ndarray::{ArrayViewMut3, ArrayViewMut4};

@@ -71,29 +71,9 @@ impl PackedHead {
         for_panels: ArrayView2<'_, f32>,
         for_rows: ArrayView2<'_, f32>,
     ) {
-        let width = for_panels.ncols();
-        let panel = K::KEY_PANEL;
-        // Key j is column j % panel of panel j / panel, a `[width][panel]` block.
-        for (j, key) in for_panels.rows().into_iter().enumerate() {
-            let column = &mut self.panels[(j / panel) * panel * width + j % panel..];
-            let column = column.iter_mut().step_by(panel);
-            match key.as_slice() {
-                Some(key) => column.zip(key).for_each(|(packed, &x)| *packed = x),
-                None => column.zip(&key).for_each(|(packed, &x)| *packed = x),
-            }
-        }
+        // Padding included, and the bound of the keys in the same pass.
+        self.panels_max_abs = kernel.pack_panels(for_panels, &mut self.panels);
         let len_kv = for_panels.nrows();
-        let padded_keys = self.panels.len().checked_div(width).unwrap_or(0);
-        for j in len_kv..padded_keys {
-            let column = &mut self.panels[(j / panel) * panel * width + j % panel..];
-            column
-                .iter_mut()
-                .step_by(panel)
-                .take(width)
-                .for_each(|x| *x = 0.0);
-        }
-        // One pass over the packed keys, padding (zeros) included.
-        self.panels_max_abs = kernel.max_abs(&self.panels);
         if self.row_width == 0 {
             self.tile_has_nonfinite_rows.fill(false);
             return; // `d_v = 0`: a forward for the log-sum-exp alone.

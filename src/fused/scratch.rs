@@ -93,18 +93,7 @@ impl<T: ScratchElement> Scratch<T> {
     /// this thread's spares when one is large enough; its contents are
     /// whatever it held.
     fn take(what: &str, len: usize) -> Result<Self, AttentionError> {
-        let room = len.saturating_add(Self::LINE);
-        let reused = T::spares().with_borrow_mut(|spare| {
-            // The smallest spare that fits, so large ones stay for large calls.
-            let best = (0..spare.len())
-                .filter(|&i| spare[i].capacity() >= room)
-                .min_by_key(|&i| spare[i].capacity())?;
-            Some(spare.swap_remove(best))
-        });
-        let data = match reused {
-            Some(data) => data,
-            None => try_with_capacity(what, room)?,
-        };
+        let data: Vec<T> = spare(what, len.saturating_add(Self::LINE))?;
         // Where the first whole cache line starts (at most LINE − 1
         // elements in, as the allocation is aligned to its element). The
         // same allocation always gives the same start.
@@ -137,19 +126,44 @@ impl<T: ScratchElement> DerefMut for Scratch<T> {
 
 impl<T: ScratchElement> Drop for Scratch<T> {
     fn drop(&mut self) {
-        let data = std::mem::take(&mut self.data);
-        // `try_with` and `try_borrow_mut`: a thread being torn down, or a
-        // buffer dropped while the pool is in use, simply frees it.
-        let _ = T::spares().try_with(|spare| {
-            if let Ok(mut spare) = spare.try_borrow_mut() {
-                let bytes = |d: &Vec<T>| d.capacity() * size_of::<T>();
-                let kept: usize = spare.iter().map(bytes).sum();
-                if kept + bytes(&data) <= SPARE_BYTES {
-                    spare.push(data);
-                }
-            }
-        });
+        keep(std::mem::take(&mut self.data));
     }
+}
+
+/// A buffer with room for at least `room` elements (its length is what it
+/// last held): the smallest of this thread's spares that is large enough,
+/// or a new one.
+///
+/// # Errors
+/// When a new buffer is too large to address or cannot be allocated.
+pub(crate) fn spare<T: ScratchElement>(what: &str, room: usize) -> Result<Vec<T>, AttentionError> {
+    let reused = T::spares().with_borrow_mut(|spare| {
+        // The smallest spare that fits, so large ones stay for large calls.
+        let best = (0..spare.len())
+            .filter(|&i| spare[i].capacity() >= room)
+            .min_by_key(|&i| spare[i].capacity())?;
+        Some(spare.swap_remove(best))
+    });
+    match reused {
+        Some(data) => Ok(data),
+        None => try_with_capacity(what, room),
+    }
+}
+
+/// Gives `data` to this thread's spares, if they stay within
+/// [`SPARE_BYTES`]; frees it otherwise.
+pub(crate) fn keep<T: ScratchElement>(data: Vec<T>) {
+    // `try_with` and `try_borrow_mut`: a thread being torn down, or a
+    // buffer dropped while the pool is in use, simply frees it.
+    let _ = T::spares().try_with(|spare| {
+        if let Ok(mut spare) = spare.try_borrow_mut() {
+            let bytes = |d: &Vec<T>| d.capacity() * size_of::<T>();
+            let kept: usize = spare.iter().map(bytes).sum();
+            if kept + bytes(&data) <= SPARE_BYTES {
+                spare.push(data);
+            }
+        }
+    });
 }
 
 #[cfg(test)]

@@ -75,6 +75,16 @@ unsafe impl Vector for __m256 {
         // SAFETY: AVX2 and FMA, and 8 readable `f32`s at `ptr` (the caller's).
         unsafe { _mm256_loadu_ps(ptr) }
     }
+    #[inline(always)]
+    unsafe fn gather(ptr: *const f32, stride: isize) -> Self {
+        // SAFETY: AVX2; the 8 lanes are readable and their offsets
+        // `i·stride` fit in `i32` (the caller's).
+        unsafe {
+            let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let offsets = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(stride as i32));
+            _mm256_i32gather_ps::<4>(ptr, offsets)
+        }
+    }
     #[cfg(feature = "half")]
     #[inline(always)]
     unsafe fn load_bf16(ptr: *const u16) -> Self {

@@ -70,6 +70,16 @@ unsafe impl Vector for __m512 {
         // SAFETY: AVX-512F, and 16 readable `f32`s at `ptr` (the caller's).
         unsafe { _mm512_loadu_ps(ptr) }
     }
+    #[inline(always)]
+    unsafe fn gather(ptr: *const f32, stride: isize) -> Self {
+        // SAFETY: AVX-512F; the 16 lanes are readable and their offsets
+        // `i·stride` fit in `i32` (the caller's).
+        unsafe {
+            let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            let offsets = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(stride as i32));
+            _mm512_i32gather_ps::<4>(offsets, ptr)
+        }
+    }
     #[cfg(feature = "half")]
     #[inline(always)]
     unsafe fn load_bf16(ptr: *const u16) -> Self {
@@ -148,6 +158,13 @@ unsafe impl Vector for __m512 {
                 _mm512_set1_epi32(127),
             )))
         }
+    }
+    #[inline(always)]
+    unsafe fn scale_by_exp2(self, n: Self) -> Self {
+        // `vscalefps` is `self·2^floor(n)`, rounded once: the same bits as
+        // `self·exp2_int(n)` wherever that is finite.
+        // SAFETY: AVX-512F (the caller's).
+        unsafe { _mm512_scalef_ps(self, n) }
     }
     #[inline(always)]
     unsafe fn reduce_max(self) -> f32 {

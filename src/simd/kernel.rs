@@ -17,6 +17,7 @@
 
 use ndarray::ArrayView2;
 
+use super::panels::PackPanels;
 use super::rows::{MaxAbs, ScaledCopy};
 use super::scores::{RowScores, Scores};
 use super::softmax::{ExpRowsShifted, SoftmaxRows};
@@ -69,6 +70,7 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
     /// Query rows per register tile: tiles have a multiple of this many rows.
     const ROWS: usize;
     /// Keys per packed key panel: tiles have a multiple of this many keys.
+    #[cfg_attr(not(test), allow(dead_code))]
     const KEY_PANEL: usize;
     /// Lanes of a vector: value rows are padded to a multiple of this.
     const LANES: usize = <Self::Vector as Vector>::LANES;
@@ -229,6 +231,12 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
             factor: divisor,
             divide: true,
         })
+    }
+
+    /// Packs `keys` into the score kernel's panels, padding with zeros,
+    /// and returns their [`MaxAbs`] bound ([`PackPanels`]).
+    fn pack_panels(self, keys: ArrayView2<'_, f32>, panels: &mut [f32]) -> f32 {
+        self.run(PackPanels { keys, panels })
     }
 
     /// The largest `|x|`, or `+inf` when `x` holds a NaN or an infinity

@@ -81,23 +81,82 @@ impl KernelOp for MaxAbs<'_> {
         let whole = x.len() - x.len() % V::LANES;
         // SAFETY: the caller guarantees V's instruction set; each vector
         // lies below `whole`, inside `x`.
-        let (max, poison) = unsafe {
-            // What `max` does with a NaN differs between instruction sets;
-            // `poison` (the sum of `x − x`: 0, or NaN once an entry is not
-            // finite) decides those inputs instead.
-            let (zero, mut max, mut poison) = (V::splat(0.0), V::splat(0.0), V::splat(0.0));
+        unsafe {
+            let mut bound = MagnitudeBound::<V>::new();
             for i in (0..whole).step_by(V::LANES) {
-                let v = V::load(x.as_ptr().add(i));
-                max = v.max(zero.sub(v)).max(max);
-                poison = poison.add(v.sub(v));
+                bound.add(V::load(x.as_ptr().add(i)));
             }
-            (max.reduce_max(), poison.reduce_sum())
-        };
-        let tail = &x[whole..];
-        if poison.is_nan() || !tail.iter().all(|x| x.is_finite()) {
-            return f32::INFINITY;
+            x[whole..].iter().for_each(|&x| bound.add_one(x));
+            bound.finish()
         }
-        tail.iter().fold(max, |max, x| max.max(x.abs()))
+    }
+}
+
+/// [`MaxAbs`] accumulated a vector (or a number) at a time, for kernels
+/// that see the numbers on their way elsewhere (`panels.rs`).
+pub(crate) struct MagnitudeBound<V> {
+    max: V,
+    /// The sum of `x − x`: 0, or NaN once an entry is not finite. What
+    /// `max` does with a NaN differs between instruction sets; this decides
+    /// those inputs instead.
+    poison: V,
+    /// The bound of the numbers taken one at a time.
+    single: f32,
+}
+
+impl<V: Vector> MagnitudeBound<V> {
+    /// The bound of no numbers, 0.
+    ///
+    /// # Safety
+    /// The CPU has `V`'s instruction set.
+    #[inline(always)]
+    pub(crate) unsafe fn new() -> Self {
+        // SAFETY: the caller's.
+        unsafe {
+            Self {
+                max: V::splat(0.0),
+                poison: V::splat(0.0),
+                single: 0.0,
+            }
+        }
+    }
+
+    /// Takes in the lanes of `v`.
+    ///
+    /// # Safety
+    /// As [`new`](Self::new).
+    #[inline(always)]
+    pub(crate) unsafe fn add(&mut self, v: V) {
+        // SAFETY: the caller's.
+        unsafe {
+            self.max = v.max(V::splat(0.0).sub(v)).max(self.max);
+            self.poison = self.poison.add(v.sub(v));
+        }
+    }
+
+    /// Takes in `x`.
+    #[inline(always)]
+    pub(crate) fn add_one(&mut self, x: f32) {
+        self.single = if x.is_finite() {
+            self.single.max(x.abs())
+        } else {
+            f32::INFINITY
+        };
+    }
+
+    /// The bound of everything taken in.
+    ///
+    /// # Safety
+    /// As [`new`](Self::new).
+    #[inline(always)]
+    pub(crate) unsafe fn finish(self) -> f32 {
+        // SAFETY: the caller's.
+        let (max, poison) = unsafe { (self.max.reduce_max(), self.poison.reduce_sum()) };
+        if poison.is_nan() {
+            f32::INFINITY
+        } else {
+            max.max(self.single)
+        }
     }
 }
 

@@ -31,6 +31,25 @@ pub(crate) unsafe trait Vector: Copy {
     /// The CPU has the instruction set of `Self`; `LANES` `f32`s are
     /// readable at `ptr`.
     unsafe fn load(ptr: *const f32) -> Self;
+    /// Lane `i` read from `ptr + i·stride`: a column of a row-major
+    /// matrix. By default one lane at a time; a set with a gather
+    /// instruction overrides it.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`; the `LANES` `f32`s are
+    /// readable; `|stride|·15` fits in `i32` (the gathers' offsets).
+    #[inline(always)]
+    unsafe fn gather(ptr: *const f32, stride: isize) -> Self {
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: the lanes are readable (the caller's), and LANES ≤ 16
+        // (every set's, checked where the kernels are compiled).
+        unsafe {
+            for (i, lane) in lanes.iter_mut().take(Self::LANES).enumerate() {
+                *lane = *ptr.offset(i as isize * stride);
+            }
+            Self::load(lanes.as_ptr())
+        }
+    }
     /// `LANES` `bf16`s (their bits) read from `ptr`, widened to `f32`
     /// exactly: a `bf16` is the top half of an `f32`. A NaN keeps its bits
     /// (a signaling NaN is quieted by the first arithmetic on it).
@@ -109,6 +128,21 @@ pub(crate) unsafe trait Vector: Copy {
     /// # Safety
     /// The CPU has the instruction set of `Self`.
     unsafe fn exp2_int(self) -> Self;
+    /// `self·2^n` for lanes of `n` holding whole numbers in `[-126, 128]`:
+    /// by default `self·exp2_int(n)`, one rounding, so a product past
+    /// `f32::MAX` is `+inf` and one below `2^-126` subnormal. A set with
+    /// an instruction for it overrides this (AVX-512's `vscalefps`: one
+    /// instruction instead of four in the softmax's `exp`); it may give a
+    /// finite product where `2^128` itself would be `+inf`, the only
+    /// difference.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`.
+    #[inline(always)]
+    unsafe fn scale_by_exp2(self, n: Self) -> Self {
+        // SAFETY: the caller guarantees the instruction set.
+        unsafe { self.mul(n.exp2_int()) }
+    }
     /// The largest lane (NaN lanes may be ignored).
     ///
     /// # Safety

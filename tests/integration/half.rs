@@ -430,6 +430,83 @@ fn f16_partial_and_into() {
     partial_and_into::<f16>();
 }
 
+/// Half partials merge in `f32`: `merge_all` gives the bits of merging
+/// the widened partials in `f32` and rounding once, `merge` rounds after
+/// each merge, and a mismatched shape is an error.
+fn partials_merge_in_f32<H: Half>() {
+    let mut rng = Rng::new(91);
+    let (q, k, v) = (
+        random_array::<H>(&mut rng, [2, 3, 20, 16], 2.0),
+        random_array::<H>(&mut rng, [2, 3, 90, 16], 2.0),
+        random_array::<H>(&mut rng, [2, 3, 90, 8], 1.0),
+    );
+    let shards = [0..30, 30..64, 64..90];
+    let partial = |keys: &std::ops::Range<usize>| {
+        let opts = AttentionOptions::new().causal().key_shard(keys.start, 90);
+        let keys = ndarray::s![.., .., keys.clone(), ..];
+        scaled_dot_product_attention_partial(q.view(), k.slice(keys), v.slice(keys), &opts)
+            .expect("a shard's partial")
+    };
+    let halves: Vec<_> = shards.iter().map(partial).collect();
+    let widened = |p: &sdpa::AttentionPartial<H>| {
+        let output = p.output().mapv(|x| H::to_f64(x) as f32);
+        sdpa::AttentionPartial::from_parts(output, p.log_sum_exp().to_owned()).unwrap()
+    };
+    let rounded =
+        |p: sdpa::AttentionPartial<f32>| p.into_output().mapv(|x| H::from_f64(f64::from(x)));
+
+    let all = sdpa::AttentionPartial::merge_all(halves.clone()).expect("merge_all");
+    let all_in_f32 = sdpa::AttentionPartial::merge_all(halves.iter().map(widened)).unwrap();
+    assert_eq!(all.log_sum_exp(), all_in_f32.log_sum_exp());
+    assert!(
+        all.output()
+            .iter()
+            .zip(&rounded(all_in_f32))
+            .all(|(a, b)| H::to_f64(*a).to_bits() == H::to_f64(*b).to_bits())
+    );
+
+    let mut one_by_one = halves[0].clone();
+    let mut in_f32 = widened(&halves[0]);
+    for half in &halves[1..] {
+        one_by_one.merge(half).expect("merge");
+        in_f32.merge(&widened(half)).unwrap();
+        in_f32 = widened(
+            &sdpa::AttentionPartial::from_parts(
+                rounded(in_f32.clone()),
+                in_f32.log_sum_exp().to_owned(),
+            )
+            .unwrap(),
+        );
+    }
+    assert!(
+        one_by_one
+            .output()
+            .iter()
+            .zip(in_f32.output())
+            .all(|(a, b)| H::to_f64(*a) as f32 == *b)
+    );
+
+    let short = scaled_dot_product_attention_partial(
+        q.slice(ndarray::s![.., .., ..5, ..]),
+        k.view(),
+        v.view(),
+        &AttentionOptions::new(),
+    )
+    .unwrap();
+    let error = one_by_one.merge(&short).expect_err("shapes differ");
+    assert_eq!(error.kind(), ErrorKind::ShapeMismatch);
+}
+
+#[test]
+fn bf16_partials_merge_in_f32() {
+    partials_merge_in_f32::<bf16>();
+}
+
+#[test]
+fn f16_partials_merge_in_f32() {
+    partials_merge_in_f32::<f16>();
+}
+
 fn backward_matches<H: Half>() {
     for shape in [[1, 2, 1, 9, 13, 5, 7], [2, 4, 2, 100, 70, 16, 24]] {
         for spec in specs() {
