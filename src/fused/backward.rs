@@ -30,18 +30,18 @@
 //! product for `dQ`, and the query rows that see no key are zeroed before
 //! they take part in `dK` and `dV`.
 
-use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis, s};
+use ndarray::{Array2, ArrayView2, ArrayViewMut2, ArrayViewMut3, Axis, Zip, s};
 
 use super::pack::{PackedHead, QueryRows};
 use super::scratch::Scratch;
 use super::tile::{TilePosition, TileSpan, add_alibi, add_bias, mask};
 use super::{KEY_TILE, QUERY_TILE};
 use crate::alloc::{element_count, try_zeros};
-use crate::call::{AttentionShape, BackwardCall, head, head_mut};
+use crate::call::{AttentionShape, BackwardCall, head};
 use crate::error::AttentionError;
 use crate::gradients::GradientsViewMut;
 use crate::mask::broadcast;
-use crate::parallel::map_with;
+use crate::parallel::{map_with, split_into_chunks};
 use crate::simd::{Kernel, ValueRows, WithKernel, ZeroWeights};
 
 /// One backward call, waiting for its kernel.
@@ -50,16 +50,20 @@ pub(super) struct Backward<'c, 'a, 'g> {
     pub(super) gradients: GradientsViewMut<'g, f32>,
 }
 
-/// What one `(batch, kv_head)` work item computes.
-struct HeadGradients {
+/// One `(batch, kv_head)` work item and the gradients it writes.
+struct HeadJob<'g> {
+    b: usize,
+    kv_h: usize,
+    /// `[group, len_q, d_k]`: the query heads sharing the kv head.
+    d_q: ArrayViewMut3<'g, f32>,
     /// `[len_kv, d_k]` and `[len_kv, d_v]`, summed over the group's heads.
-    d_k: Array2<f32>,
-    d_v: Array2<f32>,
-    /// Per query head of the group, `[len_q, d_k]`.
-    d_q: Vec<Array2<f32>>,
-    /// Per query head of the group, `dS` `[len_q, len_kv]`, when a bias was given.
-    d_scores: Vec<Option<Array2<f32>>>,
+    d_k: ArrayViewMut2<'g, f32>,
+    d_v: ArrayViewMut2<'g, f32>,
 }
+
+/// What a work item returns besides what it writes: per query head of
+/// the group, `dS` `[len_q, len_kv]` when the call has a bias.
+type HeadScores = Vec<Option<Array2<f32>>>;
 
 impl WithKernel for Backward<'_, '_, '_> {
     type Output = Result<(), AttentionError>;
@@ -85,39 +89,60 @@ impl WithKernel for Backward<'_, '_, '_> {
             d_v.fill(0.0);
             return Ok(());
         }
-        let jobs: Vec<_> = (0..shape.batch)
-            .flat_map(|b| (0..shape.kv_heads).map(move |kv_h| (b, kv_h)))
-            .collect();
+        // Each work item gets the gradient views it alone writes: `d_k` and
+        // `d_v` of its kv head, `d_q` of the query heads sharing it.
+        let group = shape.group();
+        let mut jobs = Vec::with_capacity(shape.batch * shape.kv_heads);
+        for (b, ((d_q_b, d_k_b), d_v_b)) in d_q
+            .outer_iter_mut()
+            .zip(d_k.outer_iter_mut())
+            .zip(d_v.outer_iter_mut())
+            .enumerate()
+        {
+            let d_q_groups = split_into_chunks(d_q_b, Axis(0), group);
+            for (kv_h, ((d_q, d_k), d_v)) in d_q_groups
+                .into_iter()
+                .zip(d_k_b.into_outer_iter_mut())
+                .zip(d_v_b.into_outer_iter_mut())
+                .enumerate()
+            {
+                jobs.push(HeadJob {
+                    b,
+                    kv_h,
+                    d_q,
+                    d_k,
+                    d_v,
+                });
+            }
+        }
         let results = map_with(
-            jobs.clone(),
+            jobs,
             || BackwardScratch::new::<K>(&shape, call.forward.opts.softcap.is_some()),
-            |scratch, (b, kv_h)| {
+            |scratch, job| {
                 let scratch = scratch.as_mut().map_err(|error| error.clone())?;
-                head_gradients(kernel, call, scratch, b, kv_h)
+                let (b, kv_h) = (job.b, job.kv_h);
+                Ok::<_, AttentionError>(((b, kv_h), head_gradients(kernel, call, scratch, job)?))
             },
         );
         let results = results.into_iter().collect::<Result<Vec<_>, _>>()?;
+        let Some(d_bias) = d_bias.as_mut() else {
+            return Ok(());
+        };
         // The bias has the whole sequence's columns; this call's key j is
-        // column key_offset + j.
+        // column key_offset + j. Summed in job order, so sums over
+        // broadcast bias dimensions are the same for any thread count.
         let key_offset = call.forward.key_offset();
-        // Written in job order, so sums over broadcast bias dimensions are
-        // the same for any thread count.
-        let group = shape.group();
-        for ((b, kv_h), result) in jobs.into_iter().zip(results) {
-            head_mut(&mut d_k, b, kv_h).assign(&result.d_k);
-            head_mut(&mut d_v, b, kv_h).assign(&result.d_v);
-            for (g, (d_q_h, d_scores)) in result.d_q.iter().zip(&result.d_scores).enumerate() {
+        let shape_bias = d_bias.shape().to_vec();
+        for ((b, kv_h), d_scores) in results {
+            for (g, d_scores) in d_scores.iter().enumerate() {
                 let h = kv_h * group + g;
-                head_mut(&mut d_q, b, h).assign(d_q_h);
-                if let (Some(d_bias), Some(d_scores)) = (d_bias.as_mut(), d_scores) {
-                    let shape_bias = d_bias.shape().to_vec();
-                    let mut d_bias_bh = d_bias
-                        .index_axis_mut(Axis(0), broadcast(shape_bias[0], b))
-                        .index_axis_move(Axis(0), broadcast(shape_bias[1], h));
-                    for ((i, j), &ds) in d_scores.indexed_iter() {
-                        let column = broadcast(shape_bias[3], key_offset + j);
-                        d_bias_bh[[broadcast(shape_bias[2], i), column]] += ds;
-                    }
+                let Some(d_scores) = d_scores else { continue };
+                let mut d_bias_bh = d_bias
+                    .index_axis_mut(Axis(0), broadcast(shape_bias[0], b))
+                    .index_axis_move(Axis(0), broadcast(shape_bias[1], h));
+                for ((i, j), &ds) in d_scores.indexed_iter() {
+                    let column = broadcast(shape_bias[3], key_offset + j);
+                    d_bias_bh[[broadcast(shape_bias[2], i), column]] += ds;
                 }
             }
         }
@@ -130,9 +155,15 @@ fn head_gradients<K: Kernel>(
     kernel: K,
     call: &BackwardCall<'_, f32>,
     buffers: &mut BackwardScratch,
-    b: usize,
-    kv_h: usize,
-) -> Result<HeadGradients, AttentionError> {
+    job: HeadJob<'_>,
+) -> Result<HeadScores, AttentionError> {
+    let HeadJob {
+        b,
+        kv_h,
+        d_q: mut d_q_out,
+        d_k: mut d_k_out,
+        d_v: mut d_v_out,
+    } = job;
     let forward = &call.forward;
     let shape = forward.shape;
     let (len_q, len_kv, d_k, d_v) = (shape.len_q, shape.len_kv, shape.d_k, shape.d_v);
@@ -158,10 +189,10 @@ fn head_gradients<K: Kernel>(
     let mut d_v_acc = ArrayViewMut2::from_shape(d_v_dim, &mut d_v_buffer[..]).expect("its size");
 
     let group = shape.group();
-    let mut d_q = Vec::with_capacity(group);
     let mut d_scores = Vec::with_capacity(group);
-    for h in kv_h * group..(kv_h + 1) * group {
-        rows.fill(call, b, h);
+    for (g, mut d_q_out) in d_q_out.outer_iter_mut().enumerate() {
+        let h = kv_h * group + g;
+        rows.fill(kernel, call, b, h);
         let (mut d_q_buffer, d_q_dim) = accumulator("d_q", rows.padded, k_width)?;
         let mut d_q_acc =
             ArrayViewMut2::from_shape(d_q_dim, &mut d_q_buffer[..]).expect("its size");
@@ -200,19 +231,15 @@ fn head_gradients<K: Kernel>(
                 scratch.step(kernel, forward, &step, &packed, sums);
             }
         }
-        d_q.push(
-            d_q_acc
-                .slice(s![..len_q, ..d_k])
-                .mapv(|x| x * forward.scale),
-        );
+        let scale = forward.scale;
+        Zip::from(&mut d_q_out)
+            .and(d_q_acc.slice(s![..len_q, ..d_k]))
+            .for_each(|out, &sum| *out = sum * scale);
         d_scores.push(d_scores_h);
     }
-    Ok(HeadGradients {
-        d_k: d_k_acc.slice(s![..len_kv, ..d_k]).to_owned(),
-        d_v: d_v_acc.slice(s![..len_kv, ..d_v]).to_owned(),
-        d_q,
-        d_scores,
-    })
+    d_k_out.assign(&d_k_acc.slice(s![..len_kv, ..d_k]));
+    d_v_out.assign(&d_v_acc.slice(s![..len_kv, ..d_v]));
+    Ok(d_scores)
 }
 
 /// The buffers of a thread's work items, reused from item to item (every

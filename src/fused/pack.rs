@@ -175,7 +175,13 @@ impl QueryRows {
     /// Packs query head `h` of batch item `b`. Every real row is written
     /// (zeros for rows that see no key); padding rows stay as `new` made
     /// them, so the buffers serve head after head.
-    pub(crate) fn fill(&mut self, call: &BackwardCall<'_, f32>, b: usize, h: usize) {
+    pub(crate) fn fill<K: Kernel>(
+        &mut self,
+        kernel: K,
+        call: &BackwardCall<'_, f32>,
+        b: usize,
+        h: usize,
+    ) {
         let (d_k, d_v) = (call.forward.shape.d_k, call.forward.shape.d_v);
         let scale = call.forward.scale;
         let (q, out, d_out) = (
@@ -189,6 +195,8 @@ impl QueryRows {
             .log_sum_exp
             .index_axis(Axis(0), b)
             .index_axis_move(Axis(0), h);
+        // A non-contiguous output row is copied here before its dot product.
+        let mut out_row = Vec::new();
         let rows = q
             .rows()
             .into_iter()
@@ -209,16 +217,25 @@ impl QueryRows {
             // (rows the sink outweighs entirely count as such).
             let sees_keys = crate::modifiers::sees_keys(lse, sink);
             *lse_packed = lse;
-            copy_scaled(q_scaled, q, if sees_keys { scale } else { 0.0 });
-            copy_scaled(d_out_packed, d_out, if sees_keys { 1.0 } else { 0.0 });
+            copy_scaled(kernel, q_scaled, q, if sees_keys { scale } else { 0.0 });
+            copy_scaled(
+                kernel,
+                d_out_packed,
+                d_out,
+                if sees_keys { 1.0 } else { 0.0 },
+            );
             q_row[..d_k].copy_from_slice(q_scaled);
             d_out_row[..d_v].copy_from_slice(d_out_packed);
             *delta = if sees_keys {
-                d_out_packed
-                    .iter()
-                    .zip(out.iter())
-                    .map(|(&g, &o)| g * o)
-                    .sum()
+                match out.as_slice() {
+                    Some(out) => kernel.dot(d_out_packed, out),
+                    None => {
+                        // The same sum as for a contiguous row.
+                        out_row.clear();
+                        out_row.extend(out.iter());
+                        kernel.dot(d_out_packed, &out_row)
+                    }
+                }
             } else {
                 0.0
             };
@@ -228,13 +245,13 @@ impl QueryRows {
 
 /// `to[c] = factor · from[c]`, on slices when `from` is contiguous. A zero
 /// factor writes zeros even where `from` holds NaN.
-fn copy_scaled(to: &mut [f32], from: ArrayView1<'_, f32>, factor: f32) {
+fn copy_scaled<K: Kernel>(kernel: K, to: &mut [f32], from: ArrayView1<'_, f32>, factor: f32) {
     if factor == 0.0 {
         to.fill(0.0);
         return;
     }
     match from.as_slice() {
-        Some(from) => to.iter_mut().zip(from).for_each(|(t, &x)| *t = factor * x),
+        Some(from) => kernel.scaled_copy(from, to, factor),
         None => to
             .iter_mut()
             .zip(from.iter())

@@ -18,7 +18,7 @@
 use ndarray::ArrayView2;
 
 use super::panels::PackPanels;
-use super::rows::{MaxAbs, ScaledCopy};
+use super::rows::{Dot, MaxAbs, ScaledCopy};
 use super::scores::{RowScores, Scores};
 use super::softmax::{ExpRowsShifted, SoftmaxRows};
 use super::tanh::SoftcapScores;
@@ -231,6 +231,15 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
             factor: divisor,
             divide: true,
         })
+    }
+
+    /// `Σ_i a[i]·b[i]` ([`Dot`]), summed in vectors: not the bits of a
+    /// plain loop, the same bits on every call with the same set.
+    ///
+    /// # Panics
+    /// When `b` is shorter than `a` (a bug in the driver).
+    fn dot(self, a: &[f32], b: &[f32]) -> f32 {
+        self.run(Dot { a, b })
     }
 
     /// Packs `keys` into the score kernel's panels, padding with zeros,
