@@ -173,6 +173,15 @@ pub(crate) mod sealed {
         where
             Self: Storage;
 
+        /// `x`, in the compute type, in this type: borrowed for an
+        /// `Element`; for a half type, rounded (to nearest, ties to even)
+        /// into a new array.
+        fn compute_to_storage<'a, D: Dimension>(
+            x: ArrayView<'a, <Self as Storage>::Compute, D>,
+        ) -> Result<CowArray<'a, Self, D>, AttentionError>
+        where
+            Self: Storage;
+
         /// Runs `f` on a compute-type buffer for `out`, then writes it to
         /// `out` (for an `Element`, `f` writes `out` itself).
         fn write_compute<R>(
@@ -279,6 +288,12 @@ pub(crate) mod sealed {
                     x: Array<$t, D>,
                 ) -> Result<Array<$t, D>, AttentionError> {
                     Ok(x)
+                }
+
+                fn compute_to_storage<'a, D: Dimension>(
+                    x: ArrayView<'a, $t, D>,
+                ) -> Result<CowArray<'a, $t, D>, AttentionError> {
+                    Ok(CowArray::from(x))
                 }
 
                 fn write_compute<R>(
@@ -388,11 +403,18 @@ pub(crate) mod sealed {
                 fn from_compute<D: Dimension>(
                     x: Array<f32, D>,
                 ) -> Result<Array<$t, D>, AttentionError> {
-                    if $by_slice {
-                        convert_by_slice(x.view(), |x, y: &mut [$t]| y.convert_from_f32_slice(x))
+                    Ok(Self::compute_to_storage(x.view())?.into_owned())
+                }
+
+                fn compute_to_storage<'a, D: Dimension>(
+                    x: ArrayView<'a, f32, D>,
+                ) -> Result<CowArray<'a, $t, D>, AttentionError> {
+                    let rounded = if $by_slice {
+                        convert_by_slice(x, |x, y: &mut [$t]| y.convert_from_f32_slice(x))
                     } else {
-                        convert(x.view(), <$t>::from_f32)
-                    }
+                        convert(x, <$t>::from_f32)
+                    };
+                    rounded.map(CowArray::from)
                 }
 
                 fn write_compute<R>(

@@ -610,7 +610,7 @@ impl<F: Storage> KvCache<F> {
         v: ArrayView4<'_, F::Compute>,
     ) -> Result<(), AttentionError> {
         self.check_new_shapes(k.shape(), v.shape())?;
-        let (k, v) = (rounded(KEYS, k)?, rounded(VALUES, v)?);
+        let (k, v) = (F::compute_to_storage(k)?, F::compute_to_storage(v)?);
         self.append(k.view(), v.view())
     }
 
@@ -672,7 +672,7 @@ impl<F: Storage> KvCache<F> {
         let (batch, heads, n, _) = q.dim();
         let shape = [batch, heads, n, self.d_v()];
         self.check_query_shapes(q.shape(), k.shape(), &shape)?;
-        let (k, v) = (rounded(KEYS, k)?, rounded(VALUES, v)?);
+        let (k, v) = (F::compute_to_storage(k)?, F::compute_to_storage(v)?);
         let mut out = zeroed_buffer("the output [batch, heads, n, d_v]", shape)?;
         self.attend_next_with(k.view(), v.view(), opts, |attended| {
             attended.attend_compute_into(q, out.view_mut())
@@ -779,18 +779,4 @@ impl<F: Storage> KvCache<F> {
         self.check_queries(q, k, &shape)?;
         zeroed_buffer("the output [batch, heads, n, d_v]", shape)
     }
-}
-
-/// `x`, in the compute type, rounded to the storage type `F` (the identity
-/// for an `f32` or `f64` cache), or the error of allocating the copy.
-fn rounded<F: Storage>(
-    what: &str,
-    x: ArrayView4<'_, F::Compute>,
-) -> Result<Array4<F>, AttentionError> {
-    let mut copy = zeroed_buffer(
-        &format!("a copy of the new entries for {what}"),
-        x.dim().into(),
-    )?;
-    copy.assign(&x);
-    F::from_compute(copy)
 }

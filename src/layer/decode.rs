@@ -1,5 +1,7 @@
 //! Incremental decoding with a [`KvCache`]: `CausalAttention`'s
-//! `new_cache`, `new_window_cache`, `prefill` and `step`. A step projects
+//! `new_cache`, `new_window_cache` (and their `_in` forms, a cache in
+//! another storage type, `bf16` for an `f32` layer), `prefill` and
+//! `step`. A step projects
 //! only the new positions, attends their queries to everything cached and
 //! their own keys and values, and applies the output projection; only once
 //! all of that has succeeded are the new keys and values stored (the
@@ -11,7 +13,7 @@ use ndarray::{Array3, ArrayView3, Axis};
 use super::project::Heads;
 use super::{CausalAttention, Layer};
 use crate::alloc::try_zeros;
-use crate::element::Element;
+use crate::element::{Element, Storage};
 use crate::error::{AttentionError, shape_error};
 use crate::kv_cache::{KvCache, RightPadding};
 use crate::options::AttentionOptions;
@@ -27,6 +29,45 @@ impl<F: Element> CausalAttention<F> {
     /// [`ErrorKind::OutOfMemory`](crate::ErrorKind::OutOfMemory) when they
     /// cannot be allocated (see [`KvCache::new`]).
     pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache<F>, AttentionError> {
+        self.new_cache_in(batch, capacity)
+    }
+
+    /// [`new_cache`](Self::new_cache) storing its keys and values in `C`:
+    /// for an `f32` layer, `bf16` or `f16` (with the `half` feature) halves
+    /// the cache's memory and the bytes each [`step`](Self::step) reads.
+    /// The layer's projections are rounded to `C` as they go in (to
+    /// nearest, ties to even); the new queries see the keys and values as
+    /// the cache holds them, and the attention itself is computed in `F`.
+    ///
+    /// # Errors
+    /// As [`new_cache`](Self::new_cache).
+    ///
+    /// ```
+    /// # #[cfg(feature = "half")] {
+    /// use ndarray::{s, Array3};
+    /// use sdpa::half::bf16;
+    /// use sdpa::{AttentionConfig, CausalAttention};
+    ///
+    /// let layer = CausalAttention::<f32>::new_seeded(AttentionConfig::new(16, 4), 7)?;
+    /// let x = Array3::<f32>::from_shape_fn((1, 9, 16), |(_, i, j)| ((i * 5 + j) % 9) as f32 * 0.1 - 0.4);
+    ///
+    /// let mut cache = layer.new_cache_in::<bf16>(1, 16)?;
+    /// layer.prefill(x.slice(s![.., ..8, ..]), &mut cache)?;
+    /// let last = layer.step(x.slice(s![.., 8..9, ..]), &mut cache)?;
+    ///
+    /// // Within bf16's rounding of the keys and values of the f32 cache's step.
+    /// let full = layer.forward_batch(x.view())?;
+    /// for (a, b) in last.iter().zip(full.slice(s![.., 8.., ..]).iter()) {
+    ///     assert!((a - b).abs() < 1e-2);
+    /// }
+    /// # }
+    /// # Ok::<(), sdpa::AttentionError>(())
+    /// ```
+    pub fn new_cache_in<C: Storage<Compute = F>>(
+        &self,
+        batch: usize,
+        capacity: usize,
+    ) -> Result<KvCache<C>, AttentionError> {
         let c = &self.layer.config;
         KvCache::new(batch, c.kv_heads, c.d_k(), c.d_v(), capacity)
     }
@@ -47,6 +88,19 @@ impl<F: Element> CausalAttention<F> {
         batch: usize,
         window: usize,
     ) -> Result<KvCache<F>, AttentionError> {
+        self.new_window_cache_in(batch, window)
+    }
+
+    /// [`new_window_cache`](Self::new_window_cache) storing its keys and
+    /// values in `C`, as [`new_cache_in`](Self::new_cache_in) does.
+    ///
+    /// # Errors
+    /// As [`new_window_cache`](Self::new_window_cache).
+    pub fn new_window_cache_in<C: Storage<Compute = F>>(
+        &self,
+        batch: usize,
+        window: usize,
+    ) -> Result<KvCache<C>, AttentionError> {
         let c = self.layer.config;
         KvCache::with_window(window, batch, c.kv_heads, c.d_k(), c.d_v())
     }
@@ -83,10 +137,10 @@ impl<F: Element> CausalAttention<F> {
     /// }
     /// # Ok::<(), sdpa::AttentionError>(())
     /// ```
-    pub fn prefill(
+    pub fn prefill<C: Storage<Compute = F>>(
         &self,
         x: ArrayView3<'_, F>,
-        cache: &mut KvCache<F>,
+        cache: &mut KvCache<C>,
     ) -> Result<Array3<F>, AttentionError> {
         self.layer.prefill(x, &AttentionOptions::new(), cache)
     }
@@ -129,11 +183,11 @@ impl<F: Element> CausalAttention<F> {
     /// }
     /// # Ok::<(), sdpa::AttentionError>(())
     /// ```
-    pub fn prefill_with(
+    pub fn prefill_with<C: Storage<Compute = F>>(
         &self,
         x: ArrayView3<'_, F>,
         opts: &AttentionOptions<'_, F>,
-        cache: &mut KvCache<F>,
+        cache: &mut KvCache<C>,
     ) -> Result<Array3<F>, AttentionError> {
         self.layer.prefill(x, opts, cache)
     }
@@ -165,10 +219,10 @@ impl<F: Element> CausalAttention<F> {
     /// [`ErrorKind::Positions`](crate::ErrorKind::Positions) when a new
     /// token's position is past the rope's `max_positions`. The cache is
     /// unchanged on error.
-    pub fn step(
+    pub fn step<C: Storage<Compute = F>>(
         &self,
         x_new: ArrayView3<'_, F>,
-        cache: &mut KvCache<F>,
+        cache: &mut KvCache<C>,
     ) -> Result<Array3<F>, AttentionError> {
         self.layer.step(x_new, &AttentionOptions::new(), cache)
     }
@@ -204,11 +258,11 @@ impl<F: Element> CausalAttention<F> {
     /// }
     /// # Ok::<(), sdpa::AttentionError>(())
     /// ```
-    pub fn step_with(
+    pub fn step_with<C: Storage<Compute = F>>(
         &self,
         x_new: ArrayView3<'_, F>,
         opts: &AttentionOptions<'_, F>,
-        cache: &mut KvCache<F>,
+        cache: &mut KvCache<C>,
     ) -> Result<Array3<F>, AttentionError> {
         self.layer.step(x_new, opts, cache)
     }
@@ -219,11 +273,11 @@ impl<F: Element> Layer<F> {
     /// `[batch, len, d_model]`: its queries attend causally to its own keys
     /// and values (within the window, for a ring), as in a forward; the
     /// cache is cleared and given them only once that has succeeded.
-    fn prefill(
+    fn prefill<C: Storage<Compute = F>>(
         &self,
         x: ArrayView3<'_, F>,
         opts: &AttentionOptions<'_, F>,
-        cache: &mut KvCache<F>,
+        cache: &mut KvCache<C>,
     ) -> Result<Array3<F>, AttentionError> {
         self.check_step(x, cache)?;
         let Some(lengths) = opts.key_lengths else {
@@ -242,17 +296,18 @@ impl<F: Element> Layer<F> {
     }
 
     /// [`prefill`](Self::prefill) of a prompt with no right padding.
-    fn prefill_left_padded(
+    fn prefill_left_padded<C: Storage<Compute = F>>(
         &self,
         x: ArrayView3<'_, F>,
         opts: &AttentionOptions<'_, F>,
-        cache: &mut KvCache<F>,
+        cache: &mut KvCache<C>,
     ) -> Result<Array3<F>, AttentionError> {
         // The cache restarts: the prompt is at positions 0..len.
         let projected = self.project_all(x, x, 0)?;
         let Heads { q, k, v } = self.split_all(&projected)?;
+        let (k, v) = (C::compute_to_storage(k)?, C::compute_to_storage(v)?);
         let heads_out = self.heads_buffer(q.dim())?;
-        cache.restart_with(k, v, opts, |attended| {
+        cache.restart_with(k.view(), v.view(), opts, |attended| {
             self.attend_cached(q, attended, heads_out)
         })
     }
@@ -261,25 +316,31 @@ impl<F: Element> Layer<F> {
     /// `cache` holds: attends their queries to everything cached and their
     /// own keys and values (see [`KvCache::attend_with`]), which the cache
     /// then keeps.
-    fn step(
+    fn step<C: Storage<Compute = F>>(
         &self,
         x: ArrayView3<'_, F>,
         opts: &AttentionOptions<'_, F>,
-        cache: &mut KvCache<F>,
+        cache: &mut KvCache<C>,
     ) -> Result<Array3<F>, AttentionError> {
         self.check_step(x, cache)?;
         // The absolute position, not a ring's slot: the keys go in rotated.
         let projected = self.project_all(x, x, cache.total_len())?;
         let Heads { q, k, v } = self.split_all(&projected)?;
+        // Rounded to the cache's type (borrowed as they are for an F cache).
+        let (k, v) = (C::compute_to_storage(k)?, C::compute_to_storage(v)?);
         let heads_out = self.heads_buffer(q.dim())?;
         // `check_step` matched the cache to the config, which was validated
         // when the layer was built: the projections fit the cache.
-        cache.attend_next_with(k, v, opts, |attended| {
+        cache.attend_next_with(k.view(), v.view(), opts, |attended| {
             self.attend_cached(q, attended, heads_out)
         })
     }
 
-    fn check_step(&self, x: ArrayView3<'_, F>, cache: &KvCache<F>) -> Result<(), AttentionError> {
+    fn check_step<C: Storage<Compute = F>>(
+        &self,
+        x: ArrayView3<'_, F>,
+        cache: &KvCache<C>,
+    ) -> Result<(), AttentionError> {
         self.check_query_width("x", x.shape(), "[batch, len_new, d_model]")?;
         let c = &self.config;
         let batch = x.len_of(Axis(0));

@@ -31,7 +31,7 @@ use ndarray::{
 use super::Layer;
 use super::config::describe_config;
 use crate::alloc::{element_count, try_with_capacity, try_zeros};
-use crate::element::Element;
+use crate::element::{Element, Storage};
 use crate::error::{AttentionError, shape_error};
 use crate::kv_cache::Attended;
 use crate::options::AttentionOptions;
@@ -171,13 +171,13 @@ impl<F: Element> Layer<F> {
 
     /// [`attend_heads`](Self::attend_heads) over what a KV cache gives a
     /// decoding step.
-    pub(super) fn attend_cached(
+    pub(super) fn attend_cached<C: Storage<Compute = F>>(
         &self,
         q: ArrayView4<'_, F>,
-        attended: &Attended<'_, F>,
+        attended: &Attended<'_, C>,
         heads_out: Array4<F>,
     ) -> Result<Array3<F>, AttentionError> {
-        self.attend_into_heads(heads_out, |out| attended.attend_into(q, out))
+        self.attend_into_heads(heads_out, |out| attended.attend_compute_into(q, out))
     }
 
     /// Runs `attention` into `heads_out` `[batch, len, heads, d_v]` seen as

@@ -722,7 +722,7 @@ fn layer_prefill_errors_leave_the_cache_alone() {
         &["[1, 2, 7]", "d_model is 6"],
     );
     assert_eq!(cache.total_len(), 3);
-    let mut wrong = KvCache::new(1, 2, 3, 5, 4).unwrap();
+    let mut wrong = KvCache::<f64>::new(1, 2, 3, 5, 4).unwrap();
     assert_error(
         layer.prefill(Array3::zeros((1, 2, 6)).view(), &mut wrong),
         ErrorKind::ShapeMismatch,
@@ -913,7 +913,7 @@ fn failed_steps_and_prefills_change_nothing() {
     let too_large = row.broadcast((1, 1 << 60, 6)).unwrap();
     let wide = Array3::<f64>::zeros((1, 2, 5));
     let caches = [
-        KvCache::new(1, 2, 3, 4, 8).unwrap(),
+        KvCache::<f64>::new(1, 2, 3, 4, 8).unwrap(),
         KvCache::new(1, 2, 3, 4, 7).unwrap(),
         KvCache::with_window(4, 1, 2, 3, 4).unwrap(),
         KvCache::with_window(9, 1, 2, 3, 4).unwrap(),

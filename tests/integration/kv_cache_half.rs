@@ -17,9 +17,11 @@
 //! `u` the type's unit roundoff.
 
 use half::{bf16, f16};
-use ndarray::{Array4, ArrayView4, s};
+use ndarray::{Array3, Array4, ArrayView4, s};
 use sdpa::simd::{available_kernel_sets, with_kernel_set};
-use sdpa::{AttentionOptions, ErrorKind, KvCache, Storage, alibi_slopes};
+use sdpa::{
+    AttentionConfig, AttentionOptions, CausalAttention, ErrorKind, KvCache, Storage, alibi_slopes,
+};
 
 use crate::common::Rng;
 
@@ -477,4 +479,85 @@ fn bad_half_appends_are_errors_that_change_nothing() {
         "{err}"
     );
     assert_eq!((cache.len(), cache.capacity()), (3, 4));
+}
+
+/// An `f32` layer decoding with a `bf16`/`f16` cache (`new_cache_in`,
+/// `new_window_cache_in`), growing and ring, on every kernel set. With
+/// weights and inputs on a grid whose projections are exact in half
+/// precision (multiples of 1/32 below 8 bits), the half cache holds the
+/// f32 cache's numbers, and prefill and steps give the f32 cache's bits.
+/// With seeded weights, the cache holds the projections rounded to nearest
+/// even: the f32 cache's entries, rounded.
+fn layer_decodes_with_a_half_cache<H: Half>(name: &str) {
+    let config = AttentionConfig::new(32, 2)
+        .with_kv_heads(1)
+        .with_output_projection(32);
+    let seeded = CausalAttention::<f32>::new_seeded(config, 5).unwrap();
+    let mut on_grid = seeded.clone();
+    for (_, mut parameter) in on_grid.parameters_mut() {
+        for (n, w) in parameter.iter_mut().enumerate() {
+            *w = ((n * 7 % 5) as f32 - 2.0) * 0.25;
+        }
+    }
+    let x = Array3::from_shape_fn((2, 9, 32), |(b, t, j)| {
+        ((b + t * 5 + j) % 7) as f32 * 0.125 - 0.375
+    });
+    let bits = |y: &Array3<f32>| y.iter().map(|y| y.to_bits()).collect::<Vec<_>>();
+    let rounded = |x: ArrayView4<'_, f32>| x.mapv(|x| H::from_f32(x).to_f32());
+    let widened = |x: ArrayView4<'_, H>| x.mapv(H::to_f32);
+    for set in available_kernel_sets() {
+        with_kernel_set(set, || {
+            for (layer, exact) in [(&on_grid, true), (&seeded, false)] {
+                for window in [None, Some(4)] {
+                    let (mut full, mut half) = match window {
+                        None => (
+                            layer.new_cache(2, 4).unwrap(),
+                            layer.new_cache_in::<H>(2, 4).unwrap(),
+                        ),
+                        Some(w) => (
+                            layer.new_window_cache(2, w).unwrap(),
+                            layer.new_window_cache_in::<H>(2, w).unwrap(),
+                        ),
+                    };
+                    let what = format!("{name}, {set:?}, exact {exact}, window {window:?}");
+                    let prompt = x.slice(s![.., ..6, ..]);
+                    let a = layer.prefill(prompt, &mut full).unwrap();
+                    let b = layer.prefill(prompt, &mut half).unwrap();
+                    let mut outputs = vec![(a, b)];
+                    for t in 6..9 {
+                        let token = x.slice(s![.., t..t + 1, ..]);
+                        let a = layer.step(token, &mut full).unwrap();
+                        let b = layer.step(token, &mut half).unwrap();
+                        outputs.push((a, b));
+                    }
+                    assert_eq!(half.total_len(), 9, "{what}");
+                    assert_eq!(widened(half.keys()), rounded(full.keys()), "{what}: keys");
+                    assert_eq!(
+                        widened(half.values()),
+                        rounded(full.values()),
+                        "{what}: values"
+                    );
+                    if exact {
+                        assert_eq!(full.keys(), rounded(full.keys()), "{what}: on the grid");
+                        for (a, b) in &outputs {
+                            assert_eq!(bits(a), bits(b), "{what}: outputs");
+                        }
+                    } else {
+                        assert_ne!(full.keys(), rounded(full.keys()), "{what}: rounding");
+                    }
+                }
+            }
+        })
+        .expect("an available kernel set");
+    }
+}
+
+#[test]
+fn f32_layer_decodes_with_a_bf16_cache() {
+    layer_decodes_with_a_half_cache::<bf16>("bf16");
+}
+
+#[test]
+fn f32_layer_decodes_with_an_f16_cache() {
+    layer_decodes_with_a_half_cache::<f16>("f16");
 }
