@@ -150,7 +150,10 @@ impl WithKernel for Backward<'_, '_, '_> {
     }
 }
 
-/// The gradients of one `(batch, kv_head)` and the query heads sharing it.
+/// The gradients of one `(batch, kv_head)` and the query heads sharing
+/// it, written into the job's views of `d_q`, `d_k` and `d_v`; returns
+/// each query head's `dS` when the call has a bias. On an error some views
+/// may have been written (the callers' arrays are fresh and dropped then).
 fn head_gradients<K: Kernel>(
     kernel: K,
     call: &BackwardCall<'_, f32>,

@@ -129,6 +129,10 @@ pub(crate) struct QueryRows {
     v_width: usize,
     /// `D_i = Σ_c dO_ic · O_ic`.
     pub(crate) delta: Vec<f32>,
+    /// One output row `[d_v]`, copied here when the forward's output is
+    /// strided, so that its `D` is the same dot product as a contiguous
+    /// row's.
+    out_row: Vec<f32>,
     pub(crate) log_sum_exp: Vec<f32>,
     pub(crate) padded: usize,
 }
@@ -155,6 +159,7 @@ impl QueryRows {
             k_width,
             v_width,
             delta: try_filled(what, padded, 0.0)?,
+            out_row: try_filled(what, d_v, 0.0)?,
             log_sum_exp: try_filled(what, padded, f32::NEG_INFINITY)?,
             padded,
         })
@@ -195,8 +200,7 @@ impl QueryRows {
             .log_sum_exp
             .index_axis(Axis(0), b)
             .index_axis_move(Axis(0), h);
-        // A non-contiguous output row is copied here before its dot product.
-        let mut out_row = Vec::new();
+        let out_row = &mut self.out_row[..];
         let rows = q
             .rows()
             .into_iter()
@@ -230,10 +234,8 @@ impl QueryRows {
                 match out.as_slice() {
                     Some(out) => kernel.dot(d_out_packed, out),
                     None => {
-                        // The same sum as for a contiguous row.
-                        out_row.clear();
-                        out_row.extend(out.iter());
-                        kernel.dot(d_out_packed, &out_row)
+                        out_row.iter_mut().zip(out).for_each(|(y, &x)| *y = x);
+                        kernel.dot(d_out_packed, out_row)
                     }
                 }
             } else {

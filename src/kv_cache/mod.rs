@@ -44,9 +44,9 @@
 //! `check` the checks of every argument and the sizes of the buffers. They
 //! only store and copy; the attention is
 //! [`crate::scaled_dot_product_attention_into`] (or its partials, merged),
-//! run by `Attended::attend_into` for whoever called `attend_next_with` or
-//! `restart_with` (the cache's own `attend_with`, a layer's step and
-//! prefill).
+//! run by `Attended::attend_into` (the cache's own `attend_with`) or
+//! `attend_compute_into` (`attend_compute*`, a layer's step and prefill)
+//! for whoever called `attend_next_with` or `restart_with`.
 
 mod attend;
 mod attended;

@@ -1,12 +1,11 @@
 //! Incremental decoding with a [`KvCache`]: `CausalAttention`'s
 //! `new_cache`, `new_window_cache` (and their `_in` forms, a cache in
-//! another storage type, `bf16` for an `f32` layer), `prefill` and
-//! `step`. A step projects
-//! only the new positions, attends their queries to everything cached and
-//! their own keys and values, and applies the output projection; only once
-//! all of that has succeeded are the new keys and values stored (the
-//! cache's `attend_next_with` and `restart_with`), so a failed step leaves
-//! the cache as it was.
+//! another storage type: `bf16` or `f16` for an `f32` layer), `prefill`
+//! and `step`. A step projects only the new positions, attends their
+//! queries to everything cached and their own keys and values, and applies
+//! the output projection; only once all of that has succeeded are the new
+//! keys and values stored (the cache's `attend_next_with` and
+//! `restart_with`), so a failed step leaves the cache as it was.
 
 use ndarray::{Array3, ArrayView3, Axis};
 
@@ -108,8 +107,9 @@ impl<F: Element> CausalAttention<F> {
     /// Starts decoding: clears `cache`, then runs [`step`](Self::step) on
     /// the prompt `x` `[batch, len, d_model]`, returning its
     /// `[batch, len, output_width]` output (the same as
-    /// [`forward_batch`](Self::forward_batch)) and leaving its keys and
-    /// values in the cache.
+    /// [`forward_batch`](Self::forward_batch) with a cache of `F`, within
+    /// the rounding of the keys and values to a half-precision cache's type)
+    /// and leaving its keys and values in the cache.
     ///
     /// # Errors
     /// As [`step`](Self::step); the cache is unchanged then (not cleared).
@@ -199,7 +199,8 @@ impl<F: Element> CausalAttention<F> {
     /// new rows are the newest positions; in a ring-buffer cache, each sees
     /// only the last `window` positions). Returns
     /// `[batch, n, output_width]`: rows `total_len .. total_len + n` of what
-    /// [`forward_batch`](Self::forward_batch) gives on the whole sequence.
+    /// [`forward_batch`](Self::forward_batch) gives on the whole sequence
+    /// (with a half-precision cache, on keys and values rounded to its type).
     ///
     /// With rotary embeddings ([`AttentionConfig::with_rope`](crate::AttentionConfig::with_rope)),
     /// the new queries and keys are at positions `total_len .. total_len + n`
@@ -214,8 +215,9 @@ impl<F: Element> CausalAttention<F> {
     /// layer and batch (its `batch`, `kv_heads`, `d_k` or `d_v` differ);
     /// [`ErrorKind::TooLarge`](crate::ErrorKind::TooLarge) or
     /// [`ErrorKind::OutOfMemory`](crate::ErrorKind::OutOfMemory) when the
-    /// projections, the output or the cache's grown buffers cannot be
-    /// addressed or allocated;
+    /// projections, their copies rounded to a half-precision cache's type,
+    /// the output or the cache's grown buffers cannot be addressed or
+    /// allocated;
     /// [`ErrorKind::Positions`](crate::ErrorKind::Positions) when a new
     /// token's position is past the rope's `max_positions`. The cache is
     /// unchanged on error.

@@ -14,7 +14,7 @@
 //! | `values.rs` | `O ← α·O + P·V` |
 //! | `layout.rs` | rows and strided weights read in place; prefetching |
 //! | `panels.rs` | key rows packed into the `Q·Kᵀ` kernel's panels (gathered), with their magnitude bound |
-//! | `rows.rs` | the drivers' element-wise passes: scaled copies, magnitude bounds, finiteness |
+//! | `rows.rs` | the drivers' element-wise passes: scaled copies, magnitude bounds, finiteness, dot products |
 //! | `probe.rs` | [`fma_peak`], [`bf16_dot_peak`] and [`read_rate`]: this core's limits, for benchmarks |
 //! | `bf16.rs` | `Bf16Dot`: Q·Kᵀ and P·V on `bf16` pairs with AVX-512 BF16 (`vdpbf16ps`), for `bf16` calls |
 //!

@@ -11,7 +11,7 @@
 //! the bits the plain loop gives.
 
 use super::kernel::KernelOp;
-use super::vector::Vector;
+use super::vector::{Load, Vector};
 
 /// `dst[i] = src[i]·factor`, or `src[i]/factor` with `divide`, for the
 /// `src.len()` entries (`dst` at least as long).
@@ -116,26 +116,43 @@ impl KernelOp for Dot<'_> {
     ) -> f32 {
         let Dot { a, b } = self;
         let b = &b[..a.len()];
-        let pairs = a.len() - a.len() % (2 * V::LANES);
         let whole = a.len() - a.len() % V::LANES;
-        // SAFETY: the caller guarantees V's instruction set; each vector
-        // lies below `whole`, inside both slices.
-        let vectors = unsafe {
-            let (mut even, mut odd) = (V::splat(0.0), V::splat(0.0));
-            for i in (0..pairs).step_by(2 * V::LANES) {
-                even = V::load(a.as_ptr().add(i)).mul_add(V::load(b.as_ptr().add(i)), even);
-                let j = i + V::LANES;
-                odd = V::load(a.as_ptr().add(j)).mul_add(V::load(b.as_ptr().add(j)), odd);
-            }
-            if whole > pairs {
-                even = V::load(a.as_ptr().add(pairs)).mul_add(V::load(b.as_ptr().add(pairs)), even);
-            }
-            even.add(odd).reduce_sum()
-        };
+        // SAFETY: the caller guarantees V's instruction set; `whole` entries
+        // of both slices are readable and a multiple of LANES.
+        let vectors = unsafe { dot_lanes::<V, f32>(a.as_ptr(), b.as_ptr(), whole).reduce_sum() };
         a[whole..]
             .iter()
             .zip(&b[whole..])
             .fold(vectors, |sum, (&a, &b)| sum + a * b)
+    }
+}
+
+/// `Σ a[i]·b[i]` over `len` entries (a multiple of `LANES`), lane by
+/// lane: two accumulators, even and odd vectors, so the chain of dependent
+/// fused multiply-adds is half as long; their sum is returned unreduced.
+/// `b` is `f32`, or half precision widened as it is loaded ([`Load`]). The
+/// decode scores ([`RowScores`](super::scores::RowScores)) and [`Dot`]
+/// share it.
+///
+/// # Safety
+/// The CPU has `V`'s instruction set; `len` entries are readable at `a`
+/// and at `b`, and `len` is a multiple of `V::LANES`.
+#[inline(always)]
+pub(crate) unsafe fn dot_lanes<V: Vector, E: Load>(a: *const f32, b: *const E, len: usize) -> V {
+    debug_assert!(len.is_multiple_of(V::LANES));
+    // SAFETY: the caller's; each vector read lies below `len`.
+    unsafe {
+        let (mut even, mut odd) = (V::splat(0.0), V::splat(0.0));
+        let mut c = 0;
+        while c + 2 * V::LANES <= len {
+            even = V::load(a.add(c)).mul_add(E::load(b.add(c)), even);
+            odd = V::load(a.add(c + V::LANES)).mul_add(E::load(b.add(c + V::LANES)), odd);
+            c += 2 * V::LANES;
+        }
+        if c < len {
+            even = V::load(a.add(c)).mul_add(E::load(b.add(c)), even);
+        }
+        even.add(odd)
     }
 }
 
@@ -267,6 +284,8 @@ mod tests {
                 );
             }
             assert_eq!(kernel.dot(&[], &[]), 0.0);
+            // `b` longer than `a`: only `a.len()` products.
+            assert_eq!(kernel.dot(&[2.0; 19], &[1.0; 40]), 38.0);
             assert!(kernel.dot(&[1.0, f32::NAN], &[1.0, 0.0]).is_nan());
             assert_eq!(kernel.max_abs(&[]), 0.0);
             assert_eq!(kernel.max_abs(&[-0.0; 40]).to_bits(), 0);

@@ -10,6 +10,7 @@ use ndarray::ArrayView2;
 
 use super::kernel::KernelOp;
 use super::layout::{PREFETCH_ROWS_AHEAD, Rows, prefetch_row};
+use super::rows::dot_lanes;
 use super::vector::{Load, Vector};
 
 /// `s[r][j] = Σ_d q[r][d] · k[j][d]` for the rows of `q` (a multiple of
@@ -128,20 +129,8 @@ impl<E: Load> KernelOp for RowScores<'_, E> {
                 let key = k.row(j);
                 prefetch_row::<V, _>(k, j + PREFETCH_ROWS_AHEAD, d);
                 for r in 0..rows {
-                    let query = q.add(r * d);
-                    // Two accumulators halve the chain of dependent FMAs.
-                    let (mut even, mut odd) = (V::splat(0.0), V::splat(0.0));
-                    let mut c = 0;
-                    while c + 2 * V::LANES <= d {
-                        even = V::load(query.add(c)).mul_add(E::load(key.add(c)), even);
-                        odd = V::load(query.add(c + V::LANES))
-                            .mul_add(E::load(key.add(c + V::LANES)), odd);
-                        c += 2 * V::LANES;
-                    }
-                    if c < d {
-                        even = V::load(query.add(c)).mul_add(E::load(key.add(c)), even);
-                    }
-                    *s.add(r * s_stride + j) = even.add(odd).reduce_sum();
+                    let score = dot_lanes::<V, E>(q.add(r * d), key, d);
+                    *s.add(r * s_stride + j) = score.reduce_sum();
                 }
             }
         }
