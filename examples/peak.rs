@@ -12,7 +12,7 @@
 //! multiply-adds of `bf16` pairs into `f32` per instruction), the ceiling
 //! of a `bf16` forward.
 
-use sdpa::simd::{available_kernel_sets, bf16_dot_peak, fma_peak, read_rate};
+use sdpa::simd::{amx_bf16_peak, available_kernel_sets, bf16_dot_peak, fma_peak, read_rate};
 
 #[path = "support/machine.rs"]
 mod machine;
@@ -36,6 +36,10 @@ fn main() -> Result<(), sdpa::AttentionError> {
     match bf16_dot_peak() {
         Ok(peak) => println!("vdpbf16ps (AVX-512 BF16) peak: {peak:.1} GFLOP/s (one thread)"),
         Err(error) => println!("no bf16 dot-product peak: {error}"),
+    }
+    match amx_bf16_peak() {
+        Ok(peak) => println!("tdpbf16ps (AMX-BF16) peak: {peak:.1} GFLOP/s (one thread)"),
+        Err(error) => println!("no AMX peak: {error}"),
     }
     Ok(())
 }

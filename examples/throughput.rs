@@ -7,13 +7,18 @@
 //! DTYPE=f32,bf16,f16 RAYON_NUM_THREADS=1 cargo run --release --example throughput
 //! ```
 //!
-//! `SETS=avx512` (a list of kernel set names) measures only those sets.
+//! `SETS=avx512` (a list of kernel set names) measures only those sets;
+//! `AMX=0` keeps native `bf16` off AMX tiles (`vdpbf16ps` only), and
+//! `BF16_DOT=0|1` forces `bf16` to convert or to read natively
+//! ([`sdpa::simd::with_amx`], [`sdpa::simd::with_bf16_dot`]).
 //! `DTYPE` is the input type, `f32` (the default), `bf16`, `f16`, or a
 //! list (`f32,bf16,f16`): one column per type and kernel set, all in one
 //! run, so their ratios share the machine's state. A `bf16` column on a set
 //! where `bf16` runs natively ([`sdpa::simd::bf16_dot_runs_on`]: AVX-512
 //! with AVX-512 BF16) reads as a fraction of the `vdpbf16ps` peak
-//! ([`sdpa::simd::bf16_dot_peak`]), else of the FMA peak (the inputs are
+//! ([`sdpa::simd::bf16_dot_peak`]), or where it runs on AMX tiles
+//! ([`sdpa::simd::amx_runs_on`]) of the `tdpbf16ps` peak
+//! ([`sdpa::simd::amx_bf16_peak`]), else of the FMA peak (the inputs are
 //! converted to `f32`, as `f16` inputs always are). The forward only (no
 //! `--backward`) for the half types.
 //!
@@ -32,7 +37,10 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use ndarray::Array4;
-use sdpa::simd::{KernelSet, available_kernel_sets, bf16_dot_peak, bf16_dot_runs_on, fma_peak};
+use sdpa::simd::{
+    KernelSet, amx_bf16_peak, amx_runs_on, available_kernel_sets, bf16_dot_peak, bf16_dot_runs_on,
+    fma_peak,
+};
 use sdpa::{AttentionOptions, Storage};
 
 #[path = "support/machine.rs"]
@@ -48,7 +56,21 @@ fn env_or(name: &str, default: usize) -> usize {
 /// Median seconds of `f` over at least 5 runs and at least 0.3 s.
 /// [`median_seconds`] with every call of `f` on kernel set `set`.
 fn median_seconds_on(set: KernelSet, f: impl FnMut()) -> f64 {
-    sdpa::simd::with_kernel_set(set, || median_seconds(f)).expect("an available kernel set")
+    with_bf16_choice(|| sdpa::simd::with_kernel_set(set, || median_seconds(f)))
+        .expect("an available kernel set")
+}
+
+/// `f` with the `bf16` choices `AMX` and `BF16_DOT` force, if set.
+fn with_bf16_choice<R>(f: impl FnOnce() -> R) -> R {
+    let forced = |name| std::env::var(name).ok().map(|v| v != "0");
+    let f = || match forced("AMX") {
+        Some(enabled) => sdpa::simd::with_amx(enabled, f),
+        None => f(),
+    };
+    match forced("BF16_DOT") {
+        Some(native) => sdpa::simd::with_bf16_dot(native, f),
+        None => f(),
+    }
 }
 
 /// A forward's inputs in a half-precision type.
@@ -153,6 +175,10 @@ fn main() {
     if let Some(peak) = dot_peak {
         println!("vdpbf16ps (AVX-512 BF16) peak {peak:.1} GFLOP/s per thread (measured now)");
     }
+    let tile_peak = amx_bf16_peak().ok();
+    if let Some(peak) = tile_peak {
+        println!("tdpbf16ps (AMX-BF16) peak {peak:.1} GFLOP/s per thread (measured now)");
+    }
     // (type, set, peak): bf16 on a native set against the bf16 peak.
     let columns: Vec<(&str, KernelSet, f64)> = dtypes
         .iter()
@@ -161,8 +187,9 @@ fn main() {
                 .zip(&peaks)
                 .map(move |(&set, &peak)| (t.as_str(), set, peak))
         })
-        .map(|(t, set, peak)| match (t, dot_peak) {
-            ("bf16", Some(dot)) if bf16_dot_runs_on(set) => (t, set, dot),
+        .map(|(t, set, peak)| match (t, tile_peak, dot_peak) {
+            ("bf16", Some(tiles), _) if with_bf16_choice(|| amx_runs_on(set)) => (t, set, tiles),
+            ("bf16", _, Some(dot)) if with_bf16_choice(|| bf16_dot_runs_on(set)) => (t, set, dot),
             _ => (t, set, peak),
         })
         .collect();

@@ -58,7 +58,7 @@ pub(super) fn decode<K: Kernel, KV: Load + Float>(
     }));
     let partials = map_with(
         jobs,
-        || QueryTile::new::<K>(&shape, shape.len_q),
+        || QueryTile::new::<K, KeyRows<'_, KV>>(&shape, shape.len_q),
         |tile, (b, kv_h, c)| {
             let tile = tile.as_mut().map_err(|error| error.clone())?;
             let source = KeyRows {

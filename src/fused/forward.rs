@@ -130,7 +130,7 @@ pub(super) fn prefill_with<K: Kernel, S: TileSource + Sync>(
             }
             map_with(
                 tiles,
-                || QueryTile::with_pairs::<K>(&shape, query_tile, S::PAIRED_QUERIES),
+                || QueryTile::new::<K, S>(&shape, query_tile),
                 |tile, (at, mut out_tile, lse_tile)| {
                     let tile = tile.as_mut().map_err(|error| error.clone())?;
                     tile.attend(kernel, call, &at, &source, keys.clone());

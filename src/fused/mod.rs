@@ -125,11 +125,9 @@ pub(crate) fn forward_bf16(
         out,
         log_sum_exp,
     };
-    match simd::Bf16Dot::new() {
-        Some(dot) if simd::bf16_dot_runs_on(set) => {
-            simd::with_kernel(set, pairs::Bf16Forward { forward, dot })?
-        }
-        _ => simd::with_kernel(set, forward)?,
+    match simd::pair_kernels(set, call.shape.d_k) {
+        Some(kernels) => simd::with_kernel(set, pairs::Bf16Forward { forward, kernels })?,
+        None => simd::with_kernel(set, forward)?,
     }
 }
 

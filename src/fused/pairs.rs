@@ -1,6 +1,7 @@
-//! The prefill of a `bf16` call on AVX-512 BF16: the keys and values of
+//! The prefill of a `bf16` call read natively: the keys and values of
 //! each `(batch, kv_head)` packed once as `bf16` pairs, and both products
-//! of every tile on `vdpbf16ps` ([`crate::simd::Bf16Dot`]). Everything
+//! of every tile on AMX tiles or `vdpbf16ps` ([`PairKernels`], whichever
+//! the CPU runs faster; the packed layouts are both's). Everything
 //! else, jobs, tiles, masks, modifiers, softmax, log-sum-exp and sinks, is
 //! the `f32` prefill's (`forward.rs`, `tile.rs`): this file is only a
 //! [`TileSource`] with its packing.
@@ -23,7 +24,7 @@ use super::tile::{TileQueries, TileSource, bf16_bits, bf16_pairs};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
-use crate::simd::{Bf16Dot, Kernel, PAIR_KEYS, WithKernel};
+use crate::simd::{Kernel, PAIR_KEYS, PairKernels, WithKernel};
 
 const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
 
@@ -31,10 +32,10 @@ const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
 /// value rows the tile keeps are padded to it, as `Bf16Dot` needs.
 const LANES: usize = 16;
 
-/// One `bf16` forward call on AVX-512 BF16, waiting for its kernel.
+/// One `bf16` forward call read natively, waiting for its kernel set.
 pub(super) struct Bf16Forward<'c, 'a> {
     pub(super) forward: Forward<'c, 'a>,
-    pub(super) dot: Bf16Dot,
+    pub(super) kernels: PairKernels,
 }
 
 impl WithKernel for Bf16Forward<'_, '_> {
@@ -45,7 +46,7 @@ impl WithKernel for Bf16Forward<'_, '_> {
     /// whose unscaled products could overflow `f32` where the `f32` path's
     /// scaled ones would not (it decides what an overflow gives).
     fn run<K: Kernel>(self, kernel: K) -> Self::Output {
-        let Bf16Forward { forward, dot } = self;
+        let Bf16Forward { forward, kernels } = self;
         let call = forward.call;
         let empty = forward.out.is_empty()
             && forward
@@ -64,7 +65,7 @@ impl WithKernel for Bf16Forward<'_, '_> {
             out,
             log_sum_exp,
         } = forward;
-        prefill(kernel, dot, call, out, log_sum_exp)
+        prefill(kernel, kernels, call, out, log_sum_exp)
     }
 }
 
@@ -82,20 +83,20 @@ fn products_may_overflow(call: &Call<'_, f32>) -> bool {
 /// The prefill with each `(batch, kv_head)` packed into [`PairedKeys`].
 fn prefill<K: Kernel>(
     kernel: K,
-    dot: Bf16Dot,
+    kernels: PairKernels,
     call: &Call<'_, f32>,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     prefill_with(kernel, call, out, log_sum_exp, |b, kv_h| {
-        PairedKeys::pack(dot, call, b, kv_h)
+        PairedKeys::pack(kernels, call, b, kv_h)
     })
 }
 
 /// One head's keys and values as `bf16` pairs, padded to whole key tiles
 /// with zeros.
 struct PairedKeys {
-    dot: Bf16Dot,
+    kernels: PairKernels,
     /// Per key tile `[d_pairs][KEY_TILE]`: key `j`'s dims `2p, 2p + 1` at
     /// `[p][j]`.
     keys: Scratch<u32>,
@@ -116,7 +117,7 @@ impl PairedKeys {
     /// # Errors
     /// When the buffers are too large to address or cannot be allocated.
     fn pack(
-        dot: Bf16Dot,
+        kernels: PairKernels,
         call: &Call<'_, f32>,
         b: usize,
         kv_h: usize,
@@ -180,7 +181,7 @@ impl PairedKeys {
         }
         values[len_kv.div_ceil(2) * width..].fill(0);
         Ok(Self {
-            dot,
+            kernels,
             keys,
             d_pairs,
             values,
@@ -194,10 +195,8 @@ impl PairedKeys {
 impl TileSource for PairedKeys {
     const PAIRED_QUERIES: bool = true;
 
-    /// The kernels take any number of rows; the query tile still rounds
-    /// its buffers to the kernel set's rows, so this keeps to them.
     fn computed_rows<K: Kernel>(rows: usize) -> usize {
-        rows.div_ceil(K::ROWS) * K::ROWS
+        PairKernels::computed_rows(rows)
     }
 
     fn max_abs_key(&self) -> f32 {
@@ -208,7 +207,7 @@ impl TileSource for PairedKeys {
         let rows = scores.len() / KEY_TILE;
         let tile = &self.keys[j0 * self.d_pairs..][..self.d_pairs * KEY_TILE];
         let q_pairs = &q.pairs[..rows * self.d_pairs];
-        self.dot
+        self.kernels
             .scores(q_pairs, self.d_pairs, tile, q.scale, scores, KEY_TILE);
     }
 
@@ -225,8 +224,12 @@ impl TileSource for PairedKeys {
         let p = p.as_slice().expect("a query tile's weights are one block");
         let tile = &self.values[j0 / 2 * self.width..][..KEY_TILE / 2 * self.width];
         let skip = self.tile_has_nonfinite_values[j0 / KEY_TILE];
-        self.dot
+        self.kernels
             .accumulate_values(p, KEY_TILE, tile, width, alpha, o, skip);
+    }
+
+    fn finish_query_tile(&self) {
+        self.kernels.finish();
     }
 }
 

@@ -272,6 +272,10 @@ pub(crate) trait TileSource {
         o: &mut [f32],
         width: usize,
     );
+
+    /// Called on the thread that ran a query tile when it is done with
+    /// its key tiles: for kernels that hold per-thread state (AMX tiles).
+    fn finish_query_tile(&self) {}
 }
 
 impl<S: KeySource> TileSource for S {
@@ -339,26 +343,14 @@ impl QueryTile {
     ///
     /// # Errors
     /// When they cannot be allocated (a huge `d_k` or `d_v`).
-    pub(crate) fn new<K: Kernel>(
+    pub(crate) fn new<K: Kernel, S: TileSource>(
         shape: &AttentionShape,
         rows: usize,
     ) -> Result<Self, AttentionError> {
-        Self::with_pairs::<K>(shape, rows, false)
-    }
-
-    /// Buffers for tiles of up to `rows` query rows, with room for the
-    /// queries in `bf16` pairs when `paired` (for a source with
-    /// [`TileSource::PAIRED_QUERIES`]).
-    ///
-    /// # Errors
-    /// As [`new`](Self::new).
-    pub(crate) fn with_pairs<K: Kernel>(
-        shape: &AttentionShape,
-        rows: usize,
-        paired: bool,
-    ) -> Result<Self, AttentionError> {
-        let rows = rows.div_ceil(K::ROWS) * K::ROWS;
-        let q_pairs = if paired {
+        // The rows `source`'s kernels compute for a tile of `rows`, and with
+        // room for the queries in `bf16` pairs when it reads them so.
+        let rows = S::computed_rows::<K>(rows);
+        let q_pairs = if S::PAIRED_QUERIES {
             let len = element_count::<u32>("a query tile", &[rows, shape.d_k.div_ceil(2)])?;
             try_filled("a query tile", len, 0)?
         } else {
@@ -448,6 +440,7 @@ impl QueryTile {
             let (alpha, o) = (&self.alpha[..rows], &mut self.o[..rows * width]);
             source.tile_values(kernel, j0, p, alpha, o, width);
         }
+        source.finish_query_tile();
     }
 
     /// Copies the tile's query rows, times the scale, into `q`; padding

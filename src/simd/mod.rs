@@ -15,8 +15,9 @@
 //! | `layout.rs` | rows and strided weights read in place; prefetching |
 //! | `panels.rs` | key rows packed into the `Q·Kᵀ` kernel's panels (gathered), with their magnitude bound |
 //! | `rows.rs` | the drivers' element-wise passes: scaled copies, magnitude bounds, finiteness, dot products |
-//! | `probe.rs` | [`fma_peak`], [`bf16_dot_peak`] and [`read_rate`]: this core's limits, for benchmarks |
+//! | `probe.rs` | [`fma_peak`], [`bf16_dot_peak`], [`amx_bf16_peak`] and [`read_rate`]: this core's limits, for benchmarks |
 //! | `bf16.rs` | `Bf16Dot`: Q·Kᵀ and P·V on `bf16` pairs with AVX-512 BF16 (`vdpbf16ps`), for `bf16` calls |
+//! | `amx.rs` | `Amx`: the same two products on AMX-BF16 tiles (`tdpbf16ps`, inline `asm!`), where the CPU and OS allow |
 //!
 //! Each instruction set has a file that implements `Vector` for its register
 //! type and `Kernel` for a kernel type, with its register tile sizes and one
@@ -63,6 +64,9 @@ mod values;
 mod vector;
 
 #[cfg(target_arch = "x86_64")]
+#[cfg_attr(not(feature = "half"), allow(dead_code))]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -71,13 +75,21 @@ mod avx512;
 mod bf16;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+#[cfg(all(target_arch = "x86_64", feature = "half"))]
+mod pair_kernels;
 
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
-pub(crate) use bf16::{Bf16Dot, PAIR_KEYS};
+use amx::Amx;
+#[cfg(all(target_arch = "x86_64", feature = "half"))]
+use bf16::Bf16Dot;
+#[cfg(all(target_arch = "x86_64", feature = "half"))]
+pub(crate) use bf16::PAIR_KEYS;
 pub(crate) use kernel::Kernel;
 #[cfg(all(not(target_arch = "x86_64"), feature = "half"))]
-pub(crate) use no_bf16::{Bf16Dot, PAIR_KEYS};
-pub use probe::{bf16_dot_peak, fma_peak, read_rate};
+pub(crate) use no_bf16::{PAIR_KEYS, PairKernels, pair_kernels};
+#[cfg(all(target_arch = "x86_64", feature = "half"))]
+pub(crate) use pair_kernels::PairKernels;
+pub use probe::{amx_bf16_peak, bf16_dot_peak, fma_peak, read_rate};
 pub(crate) use values::{ValueRows, ZeroWeights};
 pub(crate) use vector::Load;
 
@@ -174,13 +186,16 @@ impl FromStr for KernelSet {
 }
 
 /// Whether `bf16` forward calls on kernel set `set` read their inputs as
-/// `bf16` with AVX-512 BF16 (`vdpbf16ps`) rather than converting them to
-/// `f32`: on the AVX-512 set, on a CPU with AVX-512 BF16, with the `half`
-/// feature, where that CPU's `vdpbf16ps` outruns its `f32` FMAs (AMD's
-/// Zen 4 and 5: twice; Intel's Sapphire and Emerald Rapids: half, so there
-/// converting is faster), unless [`with_bf16_dot`] decides otherwise.
-/// Decoding steps (at most 8 query rows a head) widen their keys and values
-/// to `f32` as they load them, in any case.
+/// `bf16` natively rather than converting them to `f32`: on the AVX-512
+/// set, on a CPU with AVX-512 BF16, with the `half` feature, where that
+/// pays: where the CPU's `vdpbf16ps` outruns its `f32` FMAs (AMD's Zen 4
+/// and 5: twice), or where the products run on AMX tiles
+/// ([`amx_runs_on`]: Intel's Sapphire Rapids and later, whose `vdpbf16ps`
+/// alone runs at half the FMA rate), unless [`with_bf16_dot`] decides
+/// otherwise. Said for head dims `d_k` that are multiples of 32 (every
+/// common one); where only AMX would make it pay, a call with another
+/// `d_k` converts. Decoding steps (at most 8 query rows a head) widen
+/// their keys and values to `f32` as they load them, in any case.
 ///
 /// The weights `P` are then rounded to `bf16` for `P·V` (a relative error
 /// of at most 2⁻⁸ each), which moves an output by at most `2⁻⁸·max|v|`
@@ -192,17 +207,52 @@ impl FromStr for KernelSet {
 /// ```
 pub fn bf16_dot_runs_on(set: KernelSet) -> bool {
     #[cfg(all(target_arch = "x86_64", feature = "half"))]
-    let native = set == KernelSet::Avx512
-        && Bf16Dot::new().is_some()
-        && FORCED_BF16_DOT
-            .with(Cell::get)
-            .unwrap_or_else(Bf16Dot::outruns_fma);
+    let native = pair_kernels(set, 64).is_some();
     #[cfg(not(all(target_arch = "x86_64", feature = "half")))]
     let native = {
         let _ = set;
         false
     };
     native
+}
+
+/// Whether native `bf16` forward calls on kernel set `set` (see
+/// [`bf16_dot_runs_on`]) run both products on AMX-BF16 tiles
+/// (`tdpbf16ps`): on a CPU with AMX-TILE and AMX-BF16 whose OS grants the
+/// tile state (Linux, on request at the first such call), for head dims
+/// `d_k` that are multiples of 32, unless [`with_amx`] turns it off. Value
+/// tiles that hold NaN or an infinity still run on `vdpbf16ps`, which
+/// skips zero weights.
+///
+/// ```
+/// use sdpa::simd::{KernelSet, amx_runs_on};
+/// assert!(!amx_runs_on(KernelSet::Scalar));
+/// ```
+pub fn amx_runs_on(set: KernelSet) -> bool {
+    #[cfg(all(target_arch = "x86_64", feature = "half"))]
+    let tiles = matches!(pair_kernels(set, 64), Some(PairKernels::Tiles(_)));
+    #[cfg(not(all(target_arch = "x86_64", feature = "half")))]
+    let tiles = {
+        let _ = set;
+        false
+    };
+    tiles
+}
+
+/// The kernels of a native `bf16` prefill on `set` with head dim `d_k`,
+/// or `None` when the call converts to `f32` (see [`bf16_dot_runs_on`]).
+#[cfg(all(target_arch = "x86_64", feature = "half"))]
+pub(crate) fn pair_kernels(set: KernelSet, d_k: usize) -> Option<PairKernels> {
+    if set != KernelSet::Avx512 {
+        return None;
+    }
+    let dot = Bf16Dot::new()?;
+    let tiles_allowed = FORCED_AMX.with(Cell::get).unwrap_or(true);
+    let tiles = (tiles_allowed && Amx::takes(d_k)).then(Amx::new).flatten();
+    let native = FORCED_BF16_DOT
+        .with(Cell::get)
+        .unwrap_or_else(|| tiles.is_some() || Bf16Dot::outruns_fma());
+    native.then(|| tiles.map_or(PairKernels::Dot(dot), PairKernels::Tiles))
 }
 
 /// Runs `f` with the `bf16` forward calls it makes on this thread reading
@@ -220,6 +270,20 @@ pub fn bf16_dot_runs_on(set: KernelSet) -> bool {
 /// ```
 pub fn with_bf16_dot<R>(native: bool, f: impl FnOnce() -> R) -> R {
     with_forced(&FORCED_BF16_DOT, native, f)
+}
+
+/// Runs `f` with the native `bf16` forward calls it makes on this thread
+/// using AMX tiles where they can (`enabled`, the default) or only
+/// `vdpbf16ps` (`!enabled`): for tests and benchmarks that compare the
+/// two. Restored when `f` returns or panics; calls nest.
+///
+/// ```
+/// use sdpa::simd::{KernelSet, amx_runs_on, with_amx};
+///
+/// assert!(!with_amx(false, || amx_runs_on(KernelSet::Avx512)));
+/// ```
+pub fn with_amx<R>(enabled: bool, f: impl FnOnce() -> R) -> R {
+    with_forced(&FORCED_AMX, enabled, f)
 }
 
 /// Runs `f` with this thread's override `slot` set to `value`, and puts
@@ -274,6 +338,8 @@ thread_local! {
     static FORCED: Cell<Option<KernelSet>> = const { Cell::new(None) };
     /// The `bf16` path [`with_bf16_dot`] forces on this thread, if any.
     static FORCED_BF16_DOT: Cell<Option<bool>> = const { Cell::new(None) };
+    /// Whether [`with_amx`] lets this thread's native `bf16` calls use AMX.
+    static FORCED_AMX: Cell<Option<bool>> = const { Cell::new(None) };
 }
 
 /// Runs `f` with every `f32` attention call it makes on this thread using
@@ -384,8 +450,8 @@ pub(crate) fn with_kernel<J: WithKernel>(
     }
 }
 
-/// Where the CPU has no AVX-512 BF16 instructions at all: a `Bf16Dot`
-/// that cannot be built, so the driver compiles and never takes the path.
+/// Where the CPU has no AVX-512 BF16 instructions at all: kernels that
+/// cannot be built, so the driver compiles and never takes the path.
 #[cfg(all(not(target_arch = "x86_64"), feature = "half"))]
 mod no_bf16 {
     /// No value of this type exists.
@@ -394,13 +460,13 @@ mod no_bf16 {
 
     pub(crate) const PAIR_KEYS: usize = 64;
 
-    /// The AVX-512 BF16 kernels, which this architecture does not have.
+    /// The native `bf16` kernels, which this architecture does not have.
     #[derive(Debug, Clone, Copy)]
-    pub(crate) struct Bf16Dot(Never);
+    pub(crate) struct PairKernels(Never);
 
-    impl Bf16Dot {
-        pub(crate) fn new() -> Option<Self> {
-            None
+    impl PairKernels {
+        pub(crate) fn computed_rows(rows: usize) -> usize {
+            rows
         }
 
         pub(crate) fn scores(
@@ -428,6 +494,15 @@ mod no_bf16 {
         ) {
             match self.0 {}
         }
+
+        pub(crate) fn finish(self) {
+            match self.0 {}
+        }
+    }
+
+    /// Never any: see [`super::bf16_dot_runs_on`].
+    pub(crate) fn pair_kernels(_: super::KernelSet, _: usize) -> Option<PairKernels> {
+        None
     }
 }
 

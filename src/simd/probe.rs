@@ -183,6 +183,34 @@ pub fn bf16_dot_peak() -> Result<f64, AttentionError> {
     })
 }
 
+/// This core's AMX-BF16 peak in GFLOP/s, measured on the calling thread:
+/// four independent chains of `tdpbf16ps` (16 × 16 × 32 multiply-adds of
+/// `bf16` pairs into `f32` per instruction, 16384 FLOPs), the best of five
+/// runs of about 20 ms. A `bf16` forward on tiles ([`super::amx_runs_on`])
+/// reads as a fraction of this.
+///
+/// ```
+/// match sdpa::simd::amx_bf16_peak() {
+///     Ok(peak) => println!("tdpbf16ps: {peak:.0} GFLOP/s on one thread"),
+///     Err(error) => println!("{error}"),
+/// }
+/// ```
+///
+/// # Errors
+/// When this CPU has no AMX-BF16 tiles, or the OS does not grant them.
+pub fn amx_bf16_peak() -> Result<f64, AttentionError> {
+    #[cfg(target_arch = "x86_64")]
+    let peak = super::amx::tile_peak();
+    #[cfg(not(target_arch = "x86_64"))]
+    let peak = None;
+    peak.ok_or_else(|| {
+        AttentionError::new(
+            crate::error::ErrorKind::UnsupportedKernel,
+            "this CPU has no AMX-BF16 tiles, or the OS does not grant them (tdpbf16ps)",
+        )
+    })
+}
+
 /// The rate, in GB/s (10⁹ bytes), at which the calling thread reads `data`
 /// once from start to end with kernel set `set`'s vector loads: the median
 /// of `passes` passes (at least one). Pass data larger than the last-level

@@ -1,11 +1,12 @@
-//! The `bf16` forward on AVX-512 BF16 (`vdpbf16ps`): against `core` in
-//! `f64` on the same rounded inputs, on shapes and options the prefill
-//! reaches; NaN in masked keys and values; rows that see nothing; and
-//! bitwise the same result for 1 and 2 threads. The native path is forced
-//! with `with_bf16_dot(true, ..)`, so it is tested also on CPUs whose
-//! default is to convert (Intel's, where `vdpbf16ps` is the slower);
-//! skipped where the CPU has no AVX-512 BF16 (then `bf16` converts to
-//! `f32`, which `half.rs` tests).
+//! The `bf16` forward read natively, on AVX-512 BF16 (`vdpbf16ps`) and,
+//! where the CPU has them, on AMX tiles (`tdpbf16ps`), each test once per
+//! path: against `core` in `f64` on the same rounded inputs, on shapes and
+//! options the prefill reaches; NaN in masked keys and values; rows that
+//! see nothing; and bitwise the same result for 1 and 2 threads. The
+//! native path is forced with `with_bf16_dot(true, ..)` and the tiles on
+//! or off with `with_amx`, so `vdpbf16ps` is tested also on CPUs whose
+//! default is AMX or converting; skipped where the CPU has no AVX-512 BF16
+//! (then `bf16` converts to `f32`, which `half.rs` tests).
 //!
 //! The bound asserted, per output entry, against `r`, the `f64` reference:
 //!
@@ -22,15 +23,33 @@
 
 use half::bf16;
 use ndarray::{Array4, s};
-use sdpa::simd::{KernelSet, bf16_dot_runs_on, with_bf16_dot, with_kernel_set};
+use sdpa::simd::{
+    KernelSet, amx_runs_on, bf16_dot_runs_on, with_amx, with_bf16_dot, with_kernel_set,
+};
 use sdpa::{AttentionOptions, CausalAlignment, alibi_slopes, scaled_dot_product_attention};
 
 use crate::common::Rng;
 use crate::common::with_threads;
 
-/// The AVX-512 set, when bf16 can run natively on it here.
-fn native() -> Option<KernelSet> {
-    with_bf16_dot(true, || bf16_dot_runs_on(KernelSet::Avx512)).then_some(KernelSet::Avx512)
+/// A native bf16 path: the AVX-512 set, with or without AMX tiles.
+#[derive(Debug, Clone, Copy)]
+struct Engine {
+    set: KernelSet,
+    amx: bool,
+}
+
+/// The native paths this CPU runs: `vdpbf16ps` where it has AVX-512 BF16,
+/// and AMX tiles where it has them too (both tested there).
+fn engines() -> Vec<Engine> {
+    let set = KernelSet::Avx512;
+    let mut engines = Vec::new();
+    if with_bf16_dot(true, || with_amx(false, || bf16_dot_runs_on(set))) {
+        engines.push(Engine { set, amx: false });
+    }
+    if with_bf16_dot(true, || amx_runs_on(set)) {
+        engines.push(Engine { set, amx: true });
+    }
+    engines
 }
 
 fn random(rng: &mut Rng, shape: [usize; 4], spread: f64) -> Array4<bf16> {
@@ -42,15 +61,17 @@ fn wide(x: &Array4<bf16>) -> Array4<f64> {
 }
 
 fn run(
-    set: KernelSet,
+    engine: Engine,
     q: &Array4<bf16>,
     k: &Array4<bf16>,
     v: &Array4<bf16>,
     opts: &AttentionOptions<'_, f32>,
 ) -> Array4<bf16> {
     with_bf16_dot(true, || {
-        with_kernel_set(set, || {
-            scaled_dot_product_attention(q.view(), k.view(), v.view(), opts)
+        with_amx(engine.amx, || {
+            with_kernel_set(engine.set, || {
+                scaled_dot_product_attention(q.view(), k.view(), v.view(), opts)
+            })
         })
     })
     .expect("the set runs here")
@@ -80,9 +101,13 @@ fn check(got: &Array4<bf16>, want: &Array4<f64>, max_v: f64, what: &str) -> f64 
 }
 
 /// `[batch, heads, kv_heads, len_q, len_kv, d_k, d_v]`: lengths off the
-/// 64-key and 48/96-row tiles, d_k odd and off multiples of 32, GQA/MQA.
-const SHAPES: [[usize; 7]; 6] = [
+/// 64-key and 48/96-row tiles, d_k odd and off multiples of 32 (which AMX
+/// does not take), multiples of 32 with d_v off whole tile pairs, GQA/MQA.
+const SHAPES: [[usize; 7]; 9] = [
     [1, 4, 2, 150, 333, 33, 40],
+    [1, 2, 1, 150, 333, 32, 40],
+    [2, 3, 1, 61, 500, 128, 128],
+    [1, 2, 2, 100, 130, 96, 24],
     [2, 2, 1, 97, 64, 1, 17],
     [1, 3, 1, 9, 200, 64, 64],
     [1, 2, 2, 257, 257, 64, 64],
@@ -199,14 +224,17 @@ impl Case {
 
 #[test]
 fn the_native_forward_matches_the_f64_reference_within_the_bound() {
-    let Some(set) = native() else {
-        return;
-    };
+    engines()
+        .into_iter()
+        .for_each(the_native_forward_matches_the_f64_reference_within_the_bound_on);
+}
+
+fn the_native_forward_matches_the_f64_reference_within_the_bound_on(engine: Engine) {
     let mut worst: f64 = 0.0;
     for (s, &shape) in SHAPES.iter().enumerate() {
         for case in 0..CASES {
             let c = Case::new(shape, 100 * s as u64 + case as u64);
-            let got = run(set, &c.q, &c.k, &c.v, &options(case, &c.store));
+            let got = run(engine, &c.q, &c.k, &c.v, &options(case, &c.store));
             let what = format!("{shape:?} case {case}");
             worst = worst.max(check(&got, &c.reference(case), c.max_abs_v(), &what));
         }
@@ -217,20 +245,23 @@ fn the_native_forward_matches_the_f64_reference_within_the_bound() {
 
 #[test]
 fn the_native_path_is_taken_and_differs_from_converting_only_by_the_weights() {
-    let Some(set) = native() else {
-        return;
-    };
+    engines()
+        .into_iter()
+        .for_each(the_native_path_is_taken_and_differs_from_converting_only_by_the_weights_on);
+}
+
+fn the_native_path_is_taken_and_differs_from_converting_only_by_the_weights_on(engine: Engine) {
     let shape = [1, 2, 1, 100, 300, 64, 64];
     let c = Case::new(shape, 9);
     let opts = AttentionOptions::new().causal_aligned(CausalAlignment::TopLeft);
-    let got = run(set, &c.q, &c.k, &c.v, &opts);
+    let got = run(engine, &c.q, &c.k, &c.v, &opts);
     // The f32 path on the same numbers, rounded once to bf16.
     let (q, k, v) = (
         c.q.mapv(bf16::to_f32),
         c.k.mapv(bf16::to_f32),
         c.v.mapv(bf16::to_f32),
     );
-    let f32_path = with_kernel_set(set, || {
+    let f32_path = with_kernel_set(engine.set, || {
         scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
     })
     .expect("the set runs")
@@ -248,7 +279,7 @@ fn the_native_path_is_taken_and_differs_from_converting_only_by_the_weights() {
     );
     // Told to convert, a bf16 call is the f32 path rounded once.
     let told_to_convert = with_bf16_dot(false, || {
-        with_kernel_set(set, || {
+        with_kernel_set(engine.set, || {
             scaled_dot_product_attention(c.q.view(), c.k.view(), c.v.view(), &opts)
         })
     })
@@ -267,9 +298,12 @@ fn the_native_path_is_taken_and_differs_from_converting_only_by_the_weights() {
 
 #[test]
 fn nan_in_masked_keys_and_values_never_reaches_the_output() {
-    let Some(set) = native() else {
-        return;
-    };
+    engines()
+        .into_iter()
+        .for_each(nan_in_masked_keys_and_values_never_reaches_the_output_on);
+}
+
+fn nan_in_masked_keys_and_values_never_reaches_the_output_on(engine: Engine) {
     let shape = [2, 4, 2, 130, 200, 40, 24];
     for case in [3, 4, 6] {
         let mut c = Case::new(shape, 50 + case as u64);
@@ -279,7 +313,7 @@ fn nan_in_masked_keys_and_values_never_reaches_the_output() {
             c.store.keep.slice_mut(s![.., .., .., j]).fill(false);
         }
         let opts = options(case, &c.store);
-        let clean = run(set, &c.q, &c.k, &c.v, &opts);
+        let clean = run(engine, &c.q, &c.k, &c.v, &opts);
         // NaN and infinities in every key and value no row may see: past
         // the key lengths (cases 3, 6), and keys a keep mask hides from
         // every row of a batch item (cases 4, 6).
@@ -299,7 +333,7 @@ fn nan_in_masked_keys_and_values_never_reaches_the_output() {
                 }
             }
         }
-        let dirty = run(set, &c.q, &k, &v, &opts);
+        let dirty = run(engine, &c.q, &k, &v, &opts);
         assert!(
             dirty
                 .iter()
@@ -313,9 +347,12 @@ fn nan_in_masked_keys_and_values_never_reaches_the_output() {
 
 #[test]
 fn nan_in_keys_a_row_masks_but_its_tile_holds() {
-    let Some(set) = native() else {
-        return;
-    };
+    engines()
+        .into_iter()
+        .for_each(nan_in_keys_a_row_masks_but_its_tile_holds_on);
+}
+
+fn nan_in_keys_a_row_masks_but_its_tile_holds_on(engine: Engine) {
     // Causal: row i sees keys 0..=i; NaN in key/value 150 reaches only rows
     // from 150 on, though tiles of earlier rows hold it.
     let shape = [1, 2, 2, 200, 200, 32, 32];
@@ -324,8 +361,8 @@ fn nan_in_keys_a_row_masks_but_its_tile_holds() {
     k.slice_mut(s![.., .., 150, ..]).fill(bf16::NAN);
     v.slice_mut(s![.., .., 150, ..]).fill(bf16::NAN);
     let opts = AttentionOptions::new().causal();
-    let clean = run(set, &c.q, &c.k, &c.v, &opts);
-    let dirty = run(set, &c.q, &k, &v, &opts);
+    let clean = run(engine, &c.q, &c.k, &c.v, &opts);
+    let dirty = run(engine, &c.q, &k, &v, &opts);
     for i in 0..200 {
         let (a, b) = (
             dirty.slice(s![.., .., i, ..]),
@@ -344,9 +381,12 @@ fn nan_in_keys_a_row_masks_but_its_tile_holds() {
 
 #[test]
 fn rows_that_see_no_key_are_zero() {
-    let Some(set) = native() else {
-        return;
-    };
+    engines()
+        .into_iter()
+        .for_each(rows_that_see_no_key_are_zero_on);
+}
+
+fn rows_that_see_no_key_are_zero_on(engine: Engine) {
     let shape = [3, 2, 1, 70, 90, 16, 48];
     let c = Case::new(shape, 4);
     // Batch item 1 has no keys; in item 2 the keep mask hides every key
@@ -357,7 +397,7 @@ fn rows_that_see_no_key_are_zero() {
     let opts = AttentionOptions::new()
         .key_lengths(&lengths)
         .keep_mask(keep.view());
-    let out = run(set, &c.q, &c.k, &c.v, &opts);
+    let out = run(engine, &c.q, &c.k, &c.v, &opts);
     assert!(
         out.slice(s![1, .., .., ..])
             .iter()
@@ -377,9 +417,12 @@ fn rows_that_see_no_key_are_zero() {
 
 #[test]
 fn one_and_two_threads_give_the_same_bits() {
-    let Some(set) = native() else {
-        return;
-    };
+    engines()
+        .into_iter()
+        .for_each(one_and_two_threads_give_the_same_bits_on);
+}
+
+fn one_and_two_threads_give_the_same_bits_on(engine: Engine) {
     for (s, shape) in [[2, 4, 2, 300, 300, 40, 24], [1, 8, 1, 97, 1000, 64, 64]]
         .into_iter()
         .enumerate()
@@ -387,7 +430,7 @@ fn one_and_two_threads_give_the_same_bits() {
         for case in [0, 1, 6] {
             let c = Case::new(shape, 70 + s as u64);
             let opts = options(case, &c.store);
-            let call = || run(set, &c.q, &c.k, &c.v, &opts);
+            let call = || run(engine, &c.q, &c.k, &c.v, &opts);
             let one = with_threads(1, call);
             let two = with_threads(2, call);
             assert!(
