@@ -373,23 +373,14 @@ pub(crate) mod sealed {
     /// path, to `f64` for the reference, each a single rounding back.
     #[cfg(feature = "half")]
     macro_rules! half_convert {
-        ($t:ty, by_slice: $by_slice:literal, forward: $forward:path) => {
+        ($t:ty, widen: $widen:expr, narrow: $narrow:expr, forward: $forward:path) => {
             impl Half for $t {
                 fn widen<D: Dimension>(x: ArrayView<'_, $t, D>, y: &mut Vec<f32>) {
-                    if $by_slice {
-                        convert_by_slice_into(x, y, |x, y| x.convert_to_f32_slice(y));
-                    } else {
-                        convert_into(x, y, <$t>::to_f32);
-                    }
+                    convert_by_slice_into(x, y, $widen);
                 }
 
                 fn narrow(out: &mut ArrayViewMut4<'_, $t>, x: ndarray::ArrayView4<'_, f32>) {
-                    write(
-                        out,
-                        x,
-                        |s, d: &mut [$t]| d.convert_from_f32_slice(s),
-                        <$t>::from_f32,
-                    );
+                    write(out, x, $narrow, <$t>::from_f32);
                 }
             }
 
@@ -409,12 +400,7 @@ pub(crate) mod sealed {
                 fn compute_to_storage<'a, D: Dimension>(
                     x: ArrayView<'a, f32, D>,
                 ) -> Result<CowArray<'a, $t, D>, AttentionError> {
-                    let rounded = if $by_slice {
-                        convert_by_slice(x, |x, y: &mut [$t]| y.convert_from_f32_slice(x))
-                    } else {
-                        convert(x, <$t>::from_f32)
-                    };
-                    rounded.map(CowArray::from)
+                    convert_by_slice(x, $narrow).map(CowArray::from)
                 }
 
                 fn write_compute<R>(
@@ -497,14 +483,25 @@ pub(crate) mod sealed {
         };
     }
     #[cfg(feature = "half")]
-    // bf16 ↔ f32 is a shift that a plain loop vectorizes; f16's slice
-    // conversion uses F16C where the CPU has it (measured with callgrind:
-    // per element, f16 costs 16% more instructions than by slice).
-    // bf16's forward reads the inputs as bf16 pairs where the CPU has AVX-512
-    // BF16 (`fused::forward_bf16`); f16's runs the f32 path.
-    half_convert!(half::bf16, by_slice: false, forward: crate::fused::forward_bf16);
+    // Both convert by slice: bf16 with the crate's AVX-512 conversions
+    // (`simd::widen_bf16`: half's run element by element for bf16), f16
+    // with half's, which use F16C where the CPU has it (measured with
+    // callgrind: per element, f16 costs 16% more instructions than by
+    // slice). bf16's forward reads the inputs as bf16 pairs where the CPU
+    // runs that faster (`fused::forward_bf16`); f16's runs the f32 path.
+    half_convert!(
+        half::bf16,
+        widen: crate::simd::widen_bf16,
+        narrow: |x: &[f32], y: &mut [half::bf16]| crate::simd::narrow_bf16(x, y),
+        forward: crate::fused::forward_bf16
+    );
     #[cfg(feature = "half")]
-    half_convert!(half::f16, by_slice: true, forward: crate::fused::forward);
+    half_convert!(
+        half::f16,
+        widen: |x: &[half::f16], y: &mut [f32]| x.convert_to_f32_slice(y),
+        narrow: |x: &[f32], y: &mut [half::f16]| y.convert_from_f32_slice(x),
+        forward: crate::fused::forward
+    );
 
     /// The two conversions of a half-precision type that its calls make
     /// on the way to `f32` and back.

@@ -56,7 +56,7 @@ impl WithKernel for Bf16Forward<'_, '_> {
         if empty
             || K::LANES != LANES
             || decode::reads_keys_in_place::<K>(call)
-            || products_may_overflow(call)
+            || products_may_overflow(kernel, call)
         {
             return forward.run(kernel);
         }
@@ -71,8 +71,14 @@ impl WithKernel for Bf16Forward<'_, '_> {
 
 /// Whether `|q·k|`, unscaled or scaled, may come near `f32::MAX` for some
 /// query and key: `d_k·max|q|·max|k|·max(|scale|, 1)` past half of it.
-fn products_may_overflow(call: &Call<'_, f32>) -> bool {
-    let max_abs = |x: &ndarray::ArrayView4<'_, f32>| x.fold(0.0f32, |max, x| max.max(x.abs()));
+fn products_may_overflow<K: Kernel>(kernel: K, call: &Call<'_, f32>) -> bool {
+    // NaN ignored (a NaN product is not an overflow). The kernel's vector
+    // pass first (the converted inputs are contiguous); it says `+inf` for
+    // NaN as for infinities, and then the element-wise fold decides.
+    let max_abs = |x: &ndarray::ArrayView4<'_, f32>| match x.as_slice().map(|x| kernel.max_abs(x)) {
+        Some(max) if max.is_finite() => max,
+        _ => x.fold(0.0f32, |max, x| max.max(x.abs())),
+    };
     let bound = f64::from(max_abs(&call.q))
         * f64::from(max_abs(&call.k))
         * call.shape.d_k as f64

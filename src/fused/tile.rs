@@ -11,7 +11,7 @@ use num_traits::Float;
 
 use super::KEY_TILE;
 use super::scratch::Scratch;
-use crate::alloc::{element_count, try_filled};
+use crate::alloc::element_count;
 use crate::call::{AttentionShape, Call};
 use crate::error::AttentionError;
 use crate::mask::{biased, broadcast};
@@ -323,7 +323,7 @@ pub(crate) struct QueryTile {
     q: Scratch,
     /// The unscaled query rows in `bf16` pairs, `[computed rows][⌈d_k/2⌉]`,
     /// for a source with paired queries; else empty.
-    q_pairs: Vec<u32>,
+    q_pairs: Scratch<u32>,
     /// Scores, then weights, `[computed rows][KEY_TILE]`.
     scores: Scratch,
     /// Unnormalised output `[computed rows][value_width]`.
@@ -350,12 +350,11 @@ impl QueryTile {
         // The rows `source`'s kernels compute for a tile of `rows`, and with
         // room for the queries in `bf16` pairs when it reads them so.
         let rows = S::computed_rows::<K>(rows);
-        let q_pairs = if S::PAIRED_QUERIES {
-            let len = element_count::<u32>("a query tile", &[rows, shape.d_k.div_ceil(2)])?;
-            try_filled("a query tile", len, 0)?
-        } else {
-            Vec::new()
-        };
+        // Aligned like every buffer here: AMX tile loads of rows that
+        // straddle cache lines run at half speed.
+        let pair_rows = if S::PAIRED_QUERIES { rows } else { 0 };
+        let len = element_count::<u32>("a query tile", &[pair_rows, shape.d_k.div_ceil(2)])?;
+        let q_pairs = Scratch::filled("a query tile", len, 0)?;
         let value_width = shape.d_v.div_ceil(K::LANES) * K::LANES;
         // Every buffer is written before it is read: `attend` loads the
         // queries (zeroing padding rows) and fills `o`, `max` and `sum`;

@@ -416,10 +416,15 @@ unsafe fn values_tiles(
                     let rounded: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(high, low));
                     _mm512_store_si512(w.add(r * PAIR_KEYS / 2 + h * LANES).cast(), rounded);
                 }
-                let a = _mm512_set1_ps(alpha[r0 + r]);
-                for c in (0..width).step_by(LANES) {
-                    let at = o.add((r0 + r) * width + c);
-                    _mm512_storeu_ps(at, _mm512_mul_ps(a, _mm512_loadu_ps(at)));
+                // Once a row's maximum settles, most key tiles leave it
+                // (α = 1): skip the pass over its output row then.
+                let alpha = alpha[r0 + r];
+                if alpha != 1.0 {
+                    let a = _mm512_set1_ps(alpha);
+                    for c in (0..width).step_by(LANES) {
+                        let at = o.add((r0 + r) * width + c);
+                        _mm512_storeu_ps(at, _mm512_mul_ps(a, _mm512_loadu_ps(at)));
+                    }
                 }
             }
             let mut c0 = 0;

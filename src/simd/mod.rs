@@ -15,6 +15,7 @@
 //! | `layout.rs` | rows and strided weights read in place; prefetching |
 //! | `panels.rs` | key rows packed into the `Q·Kᵀ` kernel's panels (gathered), with their magnitude bound |
 //! | `rows.rs` | the drivers' element-wise passes: scaled copies, magnitude bounds, finiteness, dot products |
+//! | `convert.rs` | `bf16` ↔ `f32` over slices, 16 at a time on AVX-512, bit for bit `half`'s |
 //! | `probe.rs` | [`fma_peak`], [`bf16_dot_peak`], [`amx_bf16_peak`] and [`read_rate`]: this core's limits, for benchmarks |
 //! | `bf16.rs` | `Bf16Dot`: Q·Kᵀ and P·V on `bf16` pairs with AVX-512 BF16 (`vdpbf16ps`), for `bf16` calls |
 //! | `amx.rs` | `Amx`: the same two products on AMX-BF16 tiles (`tdpbf16ps`, inline `asm!`), where the CPU and OS allow |
@@ -50,6 +51,8 @@ use std::thread::LocalKey;
 
 use crate::error::{AttentionError, ErrorKind};
 
+#[cfg(feature = "half")]
+mod convert;
 mod exp;
 mod kernel;
 mod layout;
@@ -84,6 +87,8 @@ use amx::Amx;
 use bf16::Bf16Dot;
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
 pub(crate) use bf16::PAIR_KEYS;
+#[cfg(feature = "half")]
+pub(crate) use convert::{narrow_bf16, widen_bf16};
 pub(crate) use kernel::Kernel;
 #[cfg(all(not(target_arch = "x86_64"), feature = "half"))]
 pub(crate) use no_bf16::{PAIR_KEYS, PairKernels, pair_kernels};
