@@ -20,7 +20,7 @@ use super::KEY_TILE;
 use super::decode;
 use super::forward::{Forward, prefill_with};
 use super::scratch::Scratch;
-use super::tile::{TileQueries, TileSource, bf16_bits, bf16_pairs};
+use super::tile::{TileQueries, TileSource};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
@@ -95,7 +95,7 @@ fn prefill<K: Kernel>(
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     prefill_with(kernel, call, out, log_sum_exp, |b, kv_h| {
-        PairedKeys::pack(kernels, call, b, kv_h)
+        PairedKeys::pack(kernel, kernels, call, b, kv_h)
     })
 }
 
@@ -122,7 +122,8 @@ impl PairedKeys {
     ///
     /// # Errors
     /// When the buffers are too large to address or cannot be allocated.
-    fn pack(
+    fn pack<K: Kernel>(
+        kernel: K,
         kernels: PairKernels,
         call: &Call<'_, f32>,
         b: usize,
@@ -138,61 +139,33 @@ impl PairedKeys {
         let mut values =
             Scratch::for_writing(what, element_count::<u32>(what, &[padded / 2, width])?)?;
         let mut tile_has_nonfinite_values = try_filled(what, tiles, false)?;
-        let mut max_abs_key = 0.0f32;
-        // One key's pairs, then scattered to their column of the tile.
-        let mut key_pairs = try_filled(what, d_pairs, 0u32)?;
-        let mut row = try_filled(what, shape.d_k.max(shape.d_v), 0.0f32)?;
-        for (j, key) in head(&call.k, b, kv_h).rows().into_iter().enumerate() {
-            let key = contiguous(key, &mut row);
-            max_abs_key = key.iter().fold(max_abs_key, |max, x| max.max(x.abs()));
-            bf16_pairs(key, &mut key_pairs);
-            let tile = &mut keys[(j / KEY_TILE) * d_pairs * KEY_TILE..][..d_pairs * KEY_TILE];
-            for (packed, &pair) in tile[j % KEY_TILE..]
-                .iter_mut()
-                .step_by(KEY_TILE)
-                .zip(&key_pairs)
-            {
-                *packed = pair;
-            }
+        // A bf16 call's converted inputs are in standard layout: no copy.
+        let (k, v) = (head(&call.k, b, kv_h), head(&call.v, b, kv_h));
+        let (k, v) = (k.as_standard_layout(), v.as_standard_layout());
+        let (k, v) = (
+            k.as_slice().expect("standard layout"),
+            v.as_slice().expect("standard layout"),
+        );
+        if shape.d_k > 0 {
+            kernels.pack_keys(k, shape.d_k, &mut keys);
         }
-        for (j, value) in head(&call.v, b, kv_h).rows().into_iter().enumerate() {
-            let value = contiguous(value, &mut row);
-            let (tile, column) = (j / KEY_TILE, j % KEY_TILE);
-            let pairs = &mut values[(tile * KEY_TILE / 2 + column / 2) * width..][..width];
-            // Even keys write the low halves (and zero the high ones), odd
-            // keys add the high halves: every entry of a real key pair is
-            // written, whatever the reused buffer held.
-            if column % 2 == 0 {
-                for (pair, &x) in pairs.iter_mut().zip(value) {
-                    *pair = u32::from(bf16_bits(x));
-                }
-                pairs[value.len()..].fill(0);
-            } else {
-                for (pair, &x) in pairs.iter_mut().zip(value) {
-                    *pair |= u32::from(bf16_bits(x)) << 16;
-                }
-            }
-            // Not `all`: without an early exit the check vectorizes.
-            if !value.iter().fold(true, |finite, x| finite & x.is_finite()) {
-                tile_has_nonfinite_values[tile] = true;
-            }
+        if shape.d_v > 0 {
+            kernels.pack_values(
+                v,
+                shape.d_v,
+                width,
+                &mut values,
+                &mut tile_has_nonfinite_values,
+            );
         }
-        // The padding keys: zero (the buffers may be reused).
-        let len_kv = shape.len_kv;
-        if len_kv < padded {
-            let tile = &mut keys[(len_kv / KEY_TILE) * d_pairs * KEY_TILE..];
-            for pairs in tile.chunks_exact_mut(KEY_TILE) {
-                pairs[len_kv % KEY_TILE..].fill(0);
-            }
-        }
-        values[len_kv.div_ceil(2) * width..].fill(0);
         Ok(Self {
             kernels,
             keys,
             d_pairs,
             values,
             width,
-            max_abs_key,
+            // `+inf` when a key holds NaN or an infinity, as the f32 path's.
+            max_abs_key: kernel.max_abs(k),
             tile_has_nonfinite_values,
         })
     }
@@ -236,17 +209,5 @@ impl TileSource for PairedKeys {
 
     fn finish_query_tile(&self) {
         self.kernels.finish();
-    }
-}
-
-/// `x` as a slice: itself when contiguous, else copied into `row`.
-fn contiguous<'a>(x: ndarray::ArrayView1<'a, f32>, row: &'a mut [f32]) -> &'a [f32] {
-    match x.to_slice() {
-        Some(x) => x,
-        None => {
-            let row = &mut row[..x.len()];
-            row.iter_mut().zip(&x).for_each(|(r, &x)| *r = x);
-            row
-        }
     }
 }

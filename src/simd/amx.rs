@@ -91,6 +91,11 @@ impl Amx {
         GRANTED.get_or_init(request_tiles).then_some(Self { dot })
     }
 
+    /// The AVX-512 BF16 kernels (and packing) every AMX CPU has.
+    pub(crate) fn dot(self) -> Bf16Dot {
+        self.dot
+    }
+
     /// Whether the kernels take a head dim `d_k`: whole tiles of the sum.
     pub(crate) fn takes(d_k: usize) -> bool {
         d_k > 0 && d_k.is_multiple_of(2 * TILE_PAIRS)
@@ -150,7 +155,8 @@ impl Amx {
     ) {
         if skip_zero_weights {
             let dot = self.dot;
-            return dot.accumulate_values(p, p_stride, v_pairs, width, alpha, o, true);
+            dot.accumulate_values(p, p_stride, v_pairs, width, alpha, o, true);
+            return;
         }
         let rows = alpha.len();
         assert!(rows.is_multiple_of(TILE_ROWS));

@@ -18,6 +18,8 @@
 //! | `convert.rs` | `bf16` ↔ `f32` over slices, 16 at a time on AVX-512, bit for bit `half`'s |
 //! | `probe.rs` | [`fma_peak`], [`bf16_dot_peak`], [`amx_bf16_peak`] and [`read_rate`]: this core's limits, for benchmarks |
 //! | `bf16.rs` | `Bf16Dot`: Q·Kᵀ and P·V on `bf16` pairs with AVX-512 BF16 (`vdpbf16ps`), for `bf16` calls |
+//! | `pair_pack.rs` | keys and values packed into the `bf16` pairs both native kernels read |
+//! | `pair_kernels.rs` | `PairKernels`: which of the two runs a native `bf16` prefill |
 //! | `amx.rs` | `Amx`: the same two products on AMX-BF16 tiles (`tdpbf16ps`, inline `asm!`), where the CPU and OS allow |
 //!
 //! Each instruction set has a file that implements `Vector` for its register
@@ -80,6 +82,8 @@ mod bf16;
 mod neon;
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
 mod pair_kernels;
+#[cfg(all(target_arch = "x86_64", feature = "half"))]
+mod pair_pack;
 
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
 use amx::Amx;
@@ -501,6 +505,21 @@ mod no_bf16 {
         }
 
         pub(crate) fn finish(self) {
+            match self.0 {}
+        }
+
+        pub(crate) fn pack_keys(self, _: &[f32], _: usize, _: &mut [u32]) {
+            match self.0 {}
+        }
+
+        pub(crate) fn pack_values(
+            self,
+            _: &[f32],
+            _: usize,
+            _: usize,
+            _: &mut [u32],
+            _: &mut [bool],
+        ) {
             match self.0 {}
         }
     }

@@ -64,6 +64,32 @@ impl PairKernels {
         }
     }
 
+    /// Packs key rows into key tiles; see [`Bf16Dot::pack_keys`].
+    pub(crate) fn pack_keys(self, keys: &[f32], d_k: usize, out: &mut [u32]) {
+        self.dot().pack_keys(keys, d_k, out);
+    }
+
+    /// Packs value rows into value tiles, noting the tiles with NaN or an
+    /// infinity; see [`Bf16Dot::pack_values`].
+    pub(crate) fn pack_values(
+        self,
+        values: &[f32],
+        d_v: usize,
+        width: usize,
+        out: &mut [u32],
+        nonfinite: &mut [bool],
+    ) {
+        self.dot().pack_values(values, d_v, width, out, nonfinite);
+    }
+
+    /// The AVX-512 BF16 kernels, which both variants have.
+    fn dot(self) -> Bf16Dot {
+        match self {
+            Self::Dot(dot) => dot,
+            Self::Tiles(amx) => amx.dot(),
+        }
+    }
+
     /// Called when a query tile is done on this thread: gives the tile
     /// state back (AMX), so it is not kept between calls.
     pub(crate) fn finish(self) {
