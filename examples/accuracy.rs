@@ -12,8 +12,9 @@
 //! the reference is `sdpa::core` in `f64` on those rounded inputs; the
 //! output is `bf16`, as torch's is (`scripts/bf16_accuracy.py` prints
 //! torch's bf16 SDPA the same way). On a set where `bf16` runs natively
-//! (AVX-512 with AVX-512 BF16) this is the `vdpbf16ps` path, its weights
-//! rounded to `bf16` for `P·V`.
+//! (AVX-512 with AVX-512 BF16) this is the `vdpbf16ps` path, or the AMX
+//! tile path where the CPU has AMX ([`sdpa::simd::amx_runs_on`]), its
+//! weights rounded to `bf16` for `P·V` either way.
 
 use ndarray::{Array4, Zip};
 use sdpa::AttentionOptions;
@@ -50,7 +51,9 @@ fn main() -> Result<(), sdpa::AttentionError> {
     );
     for set in available_kernel_sets() {
         if bf16_inputs {
-            let how = if sdpa::simd::bf16_dot_runs_on(set) {
+            let how = if sdpa::simd::amx_runs_on(set) {
+                "native AMX tdpbf16ps"
+            } else if sdpa::simd::bf16_dot_runs_on(set) {
                 "native vdpbf16ps"
             } else {
                 "converted to f32"
