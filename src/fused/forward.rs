@@ -58,16 +58,23 @@ fn prefill<K: Kernel>(
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     let shape = call.shape;
-    prefill_with(kernel, call, out, log_sum_exp, |b, kv_h| {
-        // Fresh per job: reusing one per rayon piece (as the backward
-        // does) measured 3–4% slower at N = 256, one thread.
-        let mut packed = PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v)?;
-        packed.pack(kernel, head(&call.k, b, kv_h), head(&call.v, b, kv_h));
-        Ok(PackedKeys {
-            packed,
-            d_k: shape.d_k,
-        })
-    })
+    prefill_with(
+        kernel,
+        call,
+        forward_query_tile(call),
+        out,
+        log_sum_exp,
+        |b, kv_h| {
+            // Fresh per job: reusing one per rayon piece (as the backward
+            // does) measured 3–4% slower at N = 256, one thread.
+            let mut packed = PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v)?;
+            packed.pack(kernel, head(&call.k, b, kv_h), head(&call.v, b, kv_h));
+            Ok(PackedKeys {
+                packed,
+                d_k: shape.d_k,
+            })
+        },
+    )
 }
 
 /// [`prefill`] with the keys and values of each `(batch, kv_head)` packed
@@ -80,6 +87,7 @@ fn prefill<K: Kernel>(
 pub(super) fn prefill_with<K: Kernel, S: TileSource + Sync>(
     kernel: K,
     call: &Call<'_, f32>,
+    query_tile: usize,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
     pack: impl Fn(usize, usize) -> Result<S, AttentionError> + Sync,
@@ -106,7 +114,6 @@ pub(super) fn prefill_with<K: Kernel, S: TileSource + Sync>(
         }
     }
     let keys = 0..shape.len_kv;
-    let query_tile = forward_query_tile(call);
     let results = map_with(
         jobs,
         || (),
