@@ -102,9 +102,10 @@ fn prefill<K: Kernel>(
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
-    let query_tile = match kernels {
-        PairKernels::Tiles(_) if call.opts.causal.is_some() => AMX_CAUSAL_QUERY_TILE,
-        _ => forward_query_tile(call),
+    let query_tile = if kernels.on_tiles() && call.opts.causal.is_some() {
+        AMX_CAUSAL_QUERY_TILE
+    } else {
+        forward_query_tile(call)
     };
     prefill_with(kernel, call, query_tile, out, log_sum_exp, |b, kv_h| {
         PairedKeys::pack(kernel, kernels, call, b, kv_h)

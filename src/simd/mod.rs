@@ -239,7 +239,7 @@ pub fn bf16_dot_runs_on(set: KernelSet) -> bool {
 /// ```
 pub fn amx_runs_on(set: KernelSet) -> bool {
     #[cfg(all(target_arch = "x86_64", feature = "half"))]
-    let tiles = matches!(pair_kernels(set, 64), Some(PairKernels::Tiles(_)));
+    let tiles = pair_kernels(set, 64).is_some_and(PairKernels::on_tiles);
     #[cfg(not(all(target_arch = "x86_64", feature = "half")))]
     let tiles = {
         let _ = set;
@@ -505,6 +505,10 @@ mod no_bf16 {
         }
 
         pub(crate) fn finish(self) {
+            match self.0 {}
+        }
+
+        pub(crate) fn on_tiles(self) -> bool {
             match self.0 {}
         }
 

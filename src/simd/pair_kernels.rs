@@ -64,6 +64,11 @@ impl PairKernels {
         }
     }
 
+    /// Whether the products run on AMX tiles.
+    pub(crate) fn on_tiles(self) -> bool {
+        matches!(self, Self::Tiles(_))
+    }
+
     /// Packs key rows into key tiles; see [`Bf16Dot::pack_keys`].
     pub(crate) fn pack_keys(self, keys: &[f32], d_k: usize, out: &mut [u32]) {
         self.dot().pack_keys(keys, d_k, out);
