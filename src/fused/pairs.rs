@@ -33,7 +33,8 @@ const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
 /// rows in blocks of 32: the `f32` path's 48 leaves a half block per tile.
 /// Measured on Sapphire Rapids (one thread, bf16, d = 64, against 48):
 /// 64 rows ran 7% faster at N = 256 causal and 2% at 1024 (N = 4096
-/// within noise), 32 rows slower. Like every query tile, chosen without the thread count.
+/// within noise), 32 rows slower. Like every query tile, chosen without
+/// the thread count.
 const AMX_CAUSAL_QUERY_TILE: usize = 64;
 
 /// `f32` lanes of the AVX-512 set, the only one this path runs with: the
