@@ -177,9 +177,70 @@ unsafe impl Vector for __m512 {
         unsafe { _mm512_reduce_add_ps(self) }
     }
     #[inline(always)]
+    unsafe fn reduce_sums(rows: &[Self]) -> Self {
+        // SAFETY: AVX-512F (the caller's); 16 rows (the caller's).
+        unsafe { transposed_reduce(rows, |a, b| _mm512_add_ps(a, b)) }
+    }
+    #[inline(always)]
+    unsafe fn reduce_maxes(rows: &[Self]) -> Self {
+        // SAFETY: as in `reduce_sums`.
+        unsafe { transposed_reduce(rows, |a, b| _mm512_max_ps(a, b)) }
+    }
+    #[inline(always)]
     unsafe fn prefetch(ptr: *const u8) {
         // SAFETY: SSE (part of x86-64); a prefetch never faults, whatever
         // the address.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(ptr.cast()) }
+    }
+}
+
+/// Lane `r` of the result is `op` folded over the lanes of `rows[r]`, for
+/// 16 rows: four rounds, each pairing vectors and halving their count
+/// while doubling the rows a vector holds (45 operations in all, where a
+/// reduction per row takes 8 or 9 each).
+///
+/// # Safety
+/// AVX-512F; `rows.len() == 16`.
+#[inline(always)]
+unsafe fn transposed_reduce(rows: &[__m512], op: impl Fn(__m512, __m512) -> __m512) -> __m512 {
+    assert_eq!(rows.len(), 16);
+    // SAFETY: AVX-512F (the caller's).
+    unsafe {
+        // Round 1: rows a, b → per 128-bit lane k, [a(4k)∘a(4k+2),
+        // b(4k)∘b(4k+2), a(4k+1)∘a(4k+3), b(4k+1)∘b(4k+3)].
+        let mut two = [_mm512_setzero_ps(); 8];
+        for (i, two) in two.iter_mut().enumerate() {
+            let (a, b) = (rows[2 * i], rows[2 * i + 1]);
+            *two = op(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        }
+        // Round 2: per 128-bit lane k, [a, b, c, d] each folded over the
+        // four lanes of its lane k.
+        let mut four = [_mm512_setzero_ps(); 4];
+        for (i, four) in four.iter_mut().enumerate() {
+            let (ab, cd) = (
+                _mm512_castps_pd(two[2 * i]),
+                _mm512_castps_pd(two[2 * i + 1]),
+            );
+            *four = op(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)),
+            );
+        }
+        // Round 3: 128-bit lanes [x0∘x1, x2∘x3, y0∘y1, y2∘y3] of the
+        // four-row groups x, y.
+        let mut eight = [_mm512_setzero_ps(); 2];
+        for (i, eight) in eight.iter_mut().enumerate() {
+            let (x, y) = (four[2 * i], four[2 * i + 1]);
+            *eight = op(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+            );
+        }
+        // Round 4: rows 0–3, 4–7, 8–11, 12–15 in lanes 0–3.
+        let (x, y) = (eight[0], eight[1]);
+        op(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+        )
     }
 }

@@ -55,70 +55,77 @@ impl KernelOp for SoftmaxRows<'_> {
         assert!(keys.is_multiple_of(V::LANES) && keys <= s_stride);
         assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
         let s = s.as_mut_ptr();
-        // Pass 1: each row's new maximum m', into `alpha` for now.
-        for (r, new_max) in alpha.iter_mut().enumerate() {
-            // SAFETY: the caller guarantees V's instruction set (and `f32`'s
-            // needs none); row `r`'s `keys` entries are inside `s`, as
-            // checked above.
-            unsafe {
-                let row = s.add(r * s_stride);
-                let mut row_max = V::splat(f32::NEG_INFINITY);
-                for j in (0..keys).step_by(V::LANES) {
-                    row_max = V::load(row.add(j)).max(row_max);
-                }
-                *new_max = row_max.reduce_max().max(max[r]);
-            }
-        }
-        // Pass 2: α = e^(m − m') for `LANES` rows at a time with the vector
-        // exp. One scalar exp per row was a chain of dependent operations
-        // that dominated the pass when a row is only a few vectors long.
         const { assert!(V::LANES <= 16, "the arrays below hold one vector") };
+        // Rows go `LANES` at a time, so that their maxima and sums are
+        // reduced across lanes together ([`Vector::reduce_maxes`]), and
+        // `α`, `m` and `ℓ` are updated as vectors: a reduction and a
+        // scalar `exp` per row were chains of dependent operations that
+        // dominated the pass when a row is only a few vectors long.
         for first in (0..rows).step_by(V::LANES) {
             let n = V::LANES.min(rows - first);
-            let (mut old, mut new, mut factor) = ([0.0f32; 16], [0.0f32; 16], [0.0f32; 16]);
-            old[..n].copy_from_slice(&max[first..first + n]);
-            new[..n].copy_from_slice(&alpha[first..first + n]);
-            // SAFETY: V's instruction set (the caller's); every LANES ≤ 16,
-            // so each array holds a whole vector.
+            // SAFETY (all): the caller guarantees V's instruction set (and
+            // `f32`'s needs none); rows `first..first + n` have `keys`
+            // entries inside `s`, as checked above; each array holds a
+            // whole vector (LANES ≤ 16).
             unsafe {
-                let old = V::load(old.as_ptr());
-                exp(old.sub(V::load(new.as_ptr()))).store(factor.as_mut_ptr());
-            }
-            max[first..first + n].copy_from_slice(&new[..n]);
-            alpha[first..first + n].copy_from_slice(&factor[..n]);
-        }
-        // Pass 3: the weights and the running sums.
-        for r in 0..rows {
-            let new_max = max[r];
-            // SAFETY: as in pass 1.
-            unsafe {
-                let row = s.add(r * s_stride);
-                if new_max == f32::NEG_INFINITY {
-                    // Nothing finite here, but a NaN score must stick: the
-                    // sum of the lanes is NaN exactly when one is NaN (the
-                    // rest are −inf), and a NaN ℓ stays NaN through every
-                    // later tile (α·NaN), so the row ends NaN, as in `core`.
-                    let mut poison = V::splat(0.0);
+                // Pass 1: each row's new maximum m' and α = e^(m − m').
+                let mut row_maxima = [V::splat(f32::NEG_INFINITY); 16];
+                for (r, row_max) in row_maxima.iter_mut().enumerate().take(n) {
+                    let row = s.add((first + r) * s_stride);
                     for j in (0..keys).step_by(V::LANES) {
-                        poison = poison.add(V::load(row.add(j)));
-                        V::splat(0.0).store(row.add(j));
+                        *row_max = V::load(row.add(j)).max(*row_max);
                     }
-                    if poison.reduce_sum().is_nan() {
-                        sum[r] = f32::NAN;
+                }
+                let mut old = [f32::NEG_INFINITY; 16];
+                old[..n].copy_from_slice(&max[first..first + n]);
+                let old = V::load(old.as_ptr());
+                let new = V::reduce_maxes(&row_maxima[..V::LANES]).max(old);
+                let (mut new_max, mut factor) = ([0.0f32; 16], [0.0f32; 16]);
+                new.store(new_max.as_mut_ptr());
+                exp(old.sub(new)).store(factor.as_mut_ptr());
+                max[first..first + n].copy_from_slice(&new_max[..n]);
+                alpha[first..first + n].copy_from_slice(&factor[..n]);
+
+                // Pass 2: the weights and the running sums.
+                let mut row_sums = [V::splat(0.0); 16];
+                for (r, row_sum) in row_sums.iter_mut().enumerate().take(n) {
+                    let row = s.add((first + r) * s_stride);
+                    if new_max[r] == f32::NEG_INFINITY {
+                        // Nothing finite here, but a NaN score must stick:
+                        // the sum of the lanes is NaN exactly when one is
+                        // NaN (the rest are −inf), and a NaN ℓ stays NaN
+                        // through every later tile (α·NaN), so the row
+                        // ends NaN, as in `core`. Else ℓ stays: α = 1
+                        // ((−inf) − (−inf) made it NaN above) and the row
+                        // adds 0.
+                        let mut poison = V::splat(0.0);
+                        for j in (0..keys).step_by(V::LANES) {
+                            poison = poison.add(V::load(row.add(j)));
+                            V::splat(0.0).store(row.add(j));
+                        }
+                        if poison.reduce_sum().is_nan() {
+                            *row_sum = V::splat(f32::NAN);
+                        }
+                        alpha[first + r] = 1.0;
+                        continue;
                     }
-                    // (−inf) − (−inf) made α NaN in pass 2.
-                    alpha[r] = 1.0;
-                    continue;
+                    let shift = V::splat(new_max[r]);
+                    for j in (0..keys).step_by(V::LANES) {
+                        let p = exp(V::load(row.add(j)).sub(shift));
+                        p.store(row.add(j));
+                        *row_sum = row_sum.add(p);
+                    }
                 }
-                let shift = V::splat(new_max);
-                let mut row_sum = V::splat(0.0);
-                for j in (0..keys).step_by(V::LANES) {
-                    let p = exp(V::load(row.add(j)).sub(shift));
-                    p.store(row.add(j));
-                    row_sum = row_sum.add(p);
-                }
-                // α = e^(−inf) = 0 on a row's first visible tile.
-                sum[r] = alpha[r] * sum[r] + row_sum.reduce_sum();
+                // ℓ' = α·ℓ + Σ_j s[j]; α = e^(−inf) = 0 on a row's first
+                // visible tile.
+                let (mut scale, mut sums) = ([0.0f32; 16], [0.0f32; 16]);
+                scale[..n].copy_from_slice(&alpha[first..first + n]);
+                sums[..n].copy_from_slice(&sum[first..first + n]);
+                let sums_v = V::load(scale.as_ptr())
+                    .mul(V::load(sums.as_ptr()))
+                    .add(V::reduce_sums(&row_sums[..V::LANES]));
+                sums_v.store(sums.as_mut_ptr());
+                sum[first..first + n].copy_from_slice(&sums[..n]);
             }
         }
     }

@@ -425,6 +425,76 @@ fn tile_kernels_match_the_formulas() {
     }
 }
 
+/// [`Vector::reduce_sums`] and [`Vector::reduce_maxes`] of `LANES` rows
+/// of `LANES` lanes (the rows of `x`, row-major), on one kernel set.
+struct ReduceRows<'a> {
+    x: &'a [f32],
+    sums: &'a mut [f32],
+    maxes: &'a mut [f32],
+}
+
+impl KernelOp for ReduceRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    unsafe fn run<
+        V: Vector,
+        const ROWS: usize,
+        const KEY_VECTORS: usize,
+        const VALUE_VECTORS: usize,
+    >(
+        self,
+    ) {
+        assert!(self.x.len() >= V::LANES * V::LANES && self.sums.len() >= V::LANES);
+        assert!(self.maxes.len() >= V::LANES);
+        // SAFETY: the caller guarantees V's instruction set; `x` holds
+        // LANES rows of LANES, the outputs a vector each.
+        unsafe {
+            let rows: Vec<V> = (0..V::LANES)
+                .map(|r| V::load(self.x.as_ptr().add(r * V::LANES)))
+                .collect();
+            V::reduce_sums(&rows).store(self.sums.as_mut_ptr());
+            V::reduce_maxes(&rows).store(self.maxes.as_mut_ptr());
+        }
+    }
+}
+
+#[test]
+fn row_reductions_give_each_rows_sum_and_max_in_its_lane() {
+    #[derive(Clone)]
+    struct Reduce;
+    impl WithKernel for Reduce {
+        type Output = ();
+        fn run<K: Kernel>(self, kernel: K) {
+            let lanes = K::LANES;
+            // Rows of different magnitudes, so a lane mix-up shows.
+            let x: Vec<f32> = values(lanes * lanes, 11)
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| x + (i / lanes) as f32 * 4.0)
+                .collect();
+            let (mut sums, mut maxes) = (vec![f32::NAN; lanes], vec![f32::NAN; lanes]);
+            kernel.run(ReduceRows {
+                x: &x,
+                sums: &mut sums,
+                maxes: &mut maxes,
+            });
+            for (r, row) in x.chunks_exact(lanes).enumerate() {
+                let sum: f64 = row.iter().map(|&x| f64::from(x)).sum();
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let bound = 1e-6 * row.iter().map(|x| f64::from(x.abs())).sum::<f64>();
+                assert!(
+                    (f64::from(sums[r]) - sum).abs() <= bound,
+                    "{}: sum of row {r}",
+                    K::SET
+                );
+                assert_eq!(maxes[r], max, "{}: max of row {r}", K::SET);
+            }
+        }
+    }
+    for_each_kernel_set(Reduce);
+}
+
 #[test]
 fn a_row_that_sees_nothing_gives_zeros_and_alpha_one() {
     #[derive(Clone)]

@@ -153,6 +153,40 @@ pub(crate) unsafe trait Vector: Copy {
     /// # Safety
     /// The CPU has the instruction set of `Self`.
     unsafe fn reduce_sum(self) -> f32;
+    /// Lane `r` of the result is the sum of `rows[r]`'s lanes, for
+    /// `LANES` rows at once: a transposing reduction, which shares its
+    /// shuffles between rows where [`reduce_sum`](Self::reduce_sum) pays
+    /// a chain of them per row. The order of the additions may differ
+    /// from `reduce_sum`'s.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`; `rows.len() == LANES`.
+    #[inline(always)]
+    unsafe fn reduce_sums(rows: &[Self]) -> Self {
+        let mut sums = [0.0f32; 16];
+        for (sum, row) in sums.iter_mut().zip(rows) {
+            // SAFETY: the caller's instruction set.
+            *sum = unsafe { row.reduce_sum() };
+        }
+        // SAFETY: LANES ≤ 16 (every set's), so `sums` holds a vector.
+        unsafe { Self::load(sums.as_ptr()) }
+    }
+    /// Lane `r` of the result is the largest lane of `rows[r]` (NaN lanes
+    /// may be ignored), for `LANES` rows at once, as
+    /// [`reduce_sums`](Self::reduce_sums).
+    ///
+    /// # Safety
+    /// As [`reduce_sums`](Self::reduce_sums).
+    #[inline(always)]
+    unsafe fn reduce_maxes(rows: &[Self]) -> Self {
+        let mut maxes = [f32::NEG_INFINITY; 16];
+        for (max, row) in maxes.iter_mut().zip(rows) {
+            // SAFETY: the caller's instruction set.
+            *max = unsafe { row.reduce_max() };
+        }
+        // SAFETY: as in `reduce_sums`.
+        unsafe { Self::load(maxes.as_ptr()) }
+    }
     /// Asks the CPU to start loading the cache line at `ptr` into L2 (a
     /// hint: any address is allowed, nothing is read). L2, not L1: a core
     /// tracks about 16 misses into L1 but 48 or more into L2, and a stream
