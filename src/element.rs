@@ -4,9 +4,13 @@
 //! An [`Element`] (`f32`, `f64`) is both: its calls compute in the type
 //! itself. A half-precision [`Storage`] type (`half::bf16`, `half::f16`,
 //! with the `half` feature) is only stored: the functional entry points
-//! convert its inputs to its [`Compute`](Storage::Compute) type (`f32`) once,
-//! run the `f32` path, and round the output back once; `core` converts them
-//! to its [`Reference`](Storage::Reference) type (`f64`) instead. Options of
+//! convert its queries to its [`Compute`](Storage::Compute) type (`f32`)
+//! once, read its keys and values as they are where the kernels can (a
+//! decoding step widens them as it loads them; `bf16`'s prefill packs them
+//! as `bf16` pairs on CPUs with native `bf16` products) and else convert
+//! them too, run the `f32` path, and round the output back once; `core`
+//! converts them to its [`Reference`](Storage::Reference) type (`f64`)
+//! instead. Options of
 //! a half call (scale, bias, ALiBi slopes, sinks, softcap) are given in the
 //! compute type, so they are never rounded to 8 or 11 bits, and the
 //! log-sum-exp, `d_bias` and `d_sinks` come back in it too.
@@ -201,17 +205,6 @@ pub(crate) mod sealed {
         where
             Self: Storage;
 
-        /// The forward of `call`, whose inputs are this type's converted to
-        /// the compute type: the compute type's path, or one that reads
-        /// them as this type (`bf16` on AVX-512 BF16).
-        fn forward_converted(
-            call: &Call<'_, <Self as Storage>::Compute>,
-            out: ArrayViewMut4<'_, <Self as Storage>::Compute>,
-            log_sum_exp: Option<ArrayViewMut3<'_, <Self as Storage>::Compute>>,
-        ) -> Result<(), AttentionError>
-        where
-            Self: Storage;
-
         /// `x` in the reference type.
         fn to_reference<'a, D: Dimension>(
             x: ArrayView<'a, Self, D>,
@@ -249,11 +242,13 @@ pub(crate) mod sealed {
         where
             Self: Storage;
 
-        /// The forward of `call`, checked, whose keys and values are stored
-        /// in this type (a `KvCache`'s): an `Element` runs its own path; a
-        /// half type widens the keys and values tile by tile as a decoding
-        /// step reads them (`fused::forward_stored`), never the whole cache
-        /// at once.
+        /// The forward of `call`, checked, with its queries in the compute
+        /// type and its keys and values stored in this type (a functional
+        /// call's or a `KvCache`'s): an `Element` runs its own path; a half
+        /// type reads the keys and values as they are where its kernels can
+        /// (a decoding step widens them tile by tile as it reads them, and
+        /// `bf16`'s prefill packs them as `bf16` pairs on AVX-512 BF16 or
+        /// AMX), else widens them whole for the `f32` path.
         fn forward_stored(
             call: &Call<'_, <Self as Storage>::Compute, Self>,
             out: ArrayViewMut4<'_, <Self as Storage>::Compute>,
@@ -307,14 +302,6 @@ pub(crate) mod sealed {
                     f: impl FnOnce(ArrayViewMut4<'_, $t>) -> Result<R, AttentionError>,
                 ) -> Result<R, AttentionError> {
                     f(x)
-                }
-
-                fn forward_converted(
-                    call: &Call<'_, $t>,
-                    out: ArrayViewMut4<'_, $t>,
-                    log_sum_exp: Option<ArrayViewMut3<'_, $t>>,
-                ) -> Result<(), AttentionError> {
-                    <$t as Sealed>::forward(call, out, log_sum_exp)
                 }
 
                 fn to_reference<'a, D: Dimension>(
@@ -416,14 +403,6 @@ pub(crate) mod sealed {
                     through_compute(x, true, f)
                 }
 
-                fn forward_converted(
-                    call: &Call<'_, f32>,
-                    out: ArrayViewMut4<'_, f32>,
-                    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
-                ) -> Result<(), AttentionError> {
-                    $forward(call, out, log_sum_exp)
-                }
-
                 fn to_reference<'a, D: Dimension>(
                     x: ArrayView<'a, $t, D>,
                 ) -> Result<CowArray<'a, f64, D>, AttentionError> {
@@ -476,7 +455,7 @@ pub(crate) mod sealed {
                     out: ArrayViewMut4<'_, f32>,
                     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
                 ) -> Result<(), AttentionError> {
-                    crate::fused::forward_stored(call, out, log_sum_exp)
+                    $forward(call, out, log_sum_exp)
                 }
             }
         };
@@ -486,8 +465,9 @@ pub(crate) mod sealed {
     // (`simd::widen_bf16`: half's run element by element for bf16), f16
     // with half's, which use F16C where the CPU has it (measured with
     // callgrind: per element, f16 costs 16% more instructions than by
-    // slice). bf16's forward reads the inputs as bf16 pairs where the CPU
-    // runs that faster (`fused::forward_bf16`); f16's runs the f32 path.
+    // slice). bf16's prefill packs its keys and values as bf16 pairs where
+    // the CPU runs that faster (`fused::forward_bf16`); f16's widens them
+    // for the f32 path.
     half_convert!(
         half::bf16,
         widen: crate::simd::widen_bf16,
@@ -499,7 +479,7 @@ pub(crate) mod sealed {
         half::f16,
         widen: |x: &[half::f16], y: &mut [f32]| x.convert_to_f32_slice(y),
         narrow: |x: &[f32], y: &mut [half::f16]| y.convert_from_f32_slice(x),
-        forward: crate::fused::forward
+        forward: crate::fused::forward_stored
     );
 
     /// The two conversions of a half-precision type that its calls make

@@ -6,6 +6,7 @@
 use ndarray::{
     ArrayView2, ArrayViewMut, ArrayViewMut3, ArrayViewMut4, Axis, Dimension, RemoveAxis,
 };
+use num_traits::Float;
 
 use super::decode;
 use super::pack::PackedHead;
@@ -84,9 +85,9 @@ fn prefill<K: Kernel>(
 ///
 /// # Errors
 /// When `pack` or a tile buffer fails.
-pub(super) fn prefill_with<K: Kernel, S: TileSource + Sync>(
+pub(super) fn prefill_with<K: Kernel, S: TileSource + Sync, KV: Float + Sync>(
     kernel: K,
-    call: &Call<'_, f32>,
+    call: &Call<'_, f32, KV>,
     query_tile: usize,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,

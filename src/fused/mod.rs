@@ -68,7 +68,7 @@ pub(crate) const CAUSAL_QUERY_TILE: usize = 48;
 /// identical for any number of threads. Each row's result does not depend
 /// on the tile height anyway: rows are independent and see the same key
 /// tiles in the same order.
-pub(crate) fn forward_query_tile(call: &Call<'_, f32>) -> usize {
+pub(crate) fn forward_query_tile<KV>(call: &Call<'_, f32, KV>) -> usize {
     if call.opts.causal.is_some() {
         CAUSAL_QUERY_TILE
     } else {
@@ -104,30 +104,33 @@ pub(crate) fn forward(
     simd::with_kernel(simd::current_kernel_set()?, job)?
 }
 
-/// Attention on the fused path for a `bf16` call, whose inputs `call`
-/// holds converted (exactly) to `f32`: where [`simd::bf16_dot_runs_on`]
-/// says so for the kernel set chosen (by the CPU, `SDPA_KERNEL` or
-/// [`simd::with_kernel_set`]), the prefill reads them as `bf16` pairs
-/// with `vdpbf16ps` (`pairs.rs`); else, and for decoding steps, it is
-/// [`forward`].
+/// Attention on the fused path for a `bf16` call: `q` converted to `f32`
+/// (exactly), keys and values read as the caller's `bf16`. Where
+/// [`simd::bf16_dot_runs_on`] says so for the kernel set chosen (by the
+/// CPU, `SDPA_KERNEL` or [`simd::with_kernel_set`]), the prefill packs
+/// them as `bf16` pairs for AMX tiles or `vdpbf16ps` (`pairs.rs`); else,
+/// and for decoding steps, it is [`forward_stored`].
 ///
 /// # Errors
 /// As [`forward`].
 #[cfg(feature = "half")]
 pub(crate) fn forward_bf16(
-    call: &Call<'_, f32>,
+    call: &Call<'_, f32, half::bf16>,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     let set = simd::current_kernel_set()?;
-    let forward = forward::Forward {
-        call,
-        out,
-        log_sum_exp,
-    };
     match simd::pair_kernels(set, call.shape.d_k) {
-        Some(kernels) => simd::with_kernel(set, pairs::Bf16Forward { forward, kernels })?,
-        None => simd::with_kernel(set, forward)?,
+        Some(kernels) => {
+            let job = pairs::Bf16Forward {
+                call,
+                out,
+                log_sum_exp,
+                kernels,
+            };
+            simd::with_kernel(set, job)?
+        }
+        None => forward_stored(call, out, log_sum_exp),
     }
 }
 
@@ -144,8 +147,9 @@ pub(crate) fn backward(
     simd::with_kernel(simd::current_kernel_set()?, job)?
 }
 
-/// Attention over keys and values stored in half precision `H` (a
-/// half-precision `KvCache`'s), `q`, `out` and the log-sum-exp in `f32`.
+/// Attention over keys and values stored in half precision `H` (a half
+/// call's or a half-precision `KvCache`'s), `q`, `out` and the log-sum-exp
+/// in `f32`.
 ///
 /// A decoding step the kernels can read in place (few queries, head dims
 /// whole vectors of the kernel set, rows contiguous) runs the decode

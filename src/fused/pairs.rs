@@ -6,22 +6,22 @@
 //! the `f32` prefill's (`forward.rs`, `tile.rs`): this file is only a
 //! [`TileSource`] with its packing.
 //!
-//! A `bf16` call's inputs reach here converted to `f32` exactly, so
-//! taking their `bf16` bits back when packing (and the queries', unscaled,
-//! in `tile.rs`) is exact too: the scores are the `f32` sums of exact
-//! products, scaled in `f32`. The one rounding this path adds over the
+//! A `bf16` call's keys and values reach here as the caller's `bf16`,
+//! packed straight from them, and its queries converted to `f32` exactly,
+//! so taking their `bf16` bits back (unscaled, in `tile.rs`) is exact too:
+//! the scores are the `f32` sums of exact products, scaled in `f32`. The one rounding this path adds over the
 //! `f32` path is the weights `P`, rounded to `bf16` per tile for `P·V`:
 //! each by a relative 2⁻⁸ at most, so an output moves by at most
 //! `2⁻⁸·Σ_j p_j·|v_j|/Σ_j p_j ≤ 2⁻⁸·max|v|` beyond the `f32` path's error.
 
+use half::bf16;
 use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4};
 
-use super::KEY_TILE;
 use super::decode;
-use super::forward::{Forward, prefill_with};
-use super::forward_query_tile;
+use super::forward::prefill_with;
 use super::scratch::Scratch;
 use super::tile::{TileQueries, TileSource};
+use super::{KEY_TILE, forward_query_tile, forward_stored};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
@@ -43,63 +43,89 @@ const LANES: usize = 16;
 
 /// One `bf16` forward call read natively, waiting for its kernel set.
 pub(super) struct Bf16Forward<'c, 'a> {
-    pub(super) forward: Forward<'c, 'a>,
+    pub(super) call: &'c Call<'a, f32, bf16>,
+    pub(super) out: ArrayViewMut4<'c, f32>,
+    pub(super) log_sum_exp: Option<ArrayViewMut3<'c, f32>>,
     pub(super) kernels: PairKernels,
 }
 
 impl WithKernel for Bf16Forward<'_, '_> {
     type Output = Result<(), AttentionError>;
 
-    /// The pairs prefill, unless the `f32` driver's answer is the one to
-    /// give: empty outputs and decoding steps (its own paths), and calls
-    /// whose unscaled products could overflow `f32` where the `f32` path's
-    /// scaled ones would not (it decides what an overflow gives).
+    /// The pairs prefill, unless the path for keys and values stored in
+    /// `bf16` ([`forward_stored`]: decoding in place, else the `f32` path)
+    /// gives the answer: empty outputs and decoding steps (its own paths),
+    /// and calls whose unscaled products could overflow `f32` where the
+    /// `f32` path's scaled ones would not (it decides what an overflow
+    /// gives).
     fn run<K: Kernel>(self, kernel: K) -> Self::Output {
-        let Bf16Forward { forward, kernels } = self;
-        let call = forward.call;
-        let empty = forward.out.is_empty()
-            && forward
-                .log_sum_exp
-                .as_ref()
-                .is_none_or(|lse| lse.is_empty());
+        let Bf16Forward {
+            call,
+            out,
+            log_sum_exp,
+            kernels,
+        } = self;
+        let empty = out.is_empty() && log_sum_exp.as_ref().is_none_or(|lse| lse.is_empty());
         if empty
             || K::LANES != LANES
             || decode::reads_keys_in_place::<K>(call)
             || products_may_overflow(kernel, call)
         {
-            return forward.run(kernel);
+            return forward_stored(call, out, log_sum_exp);
         }
-        let Forward {
-            call,
-            out,
-            log_sum_exp,
-        } = forward;
         prefill(kernel, kernels, call, out, log_sum_exp)
     }
 }
 
 /// Whether `|q·k|`, unscaled or scaled, may come near `f32::MAX` for some
 /// query and key: `d_k·max|q|·max|k|·max(|scale|, 1)` past half of it.
-fn products_may_overflow<K: Kernel>(kernel: K, call: &Call<'_, f32>) -> bool {
+fn products_may_overflow<K: Kernel>(kernel: K, call: &Call<'_, f32, bf16>) -> bool {
     // NaN ignored (a NaN product is not an overflow). The kernel's vector
-    // pass first (the converted inputs are contiguous); it says `+inf` for
-    // NaN as for infinities, and then the element-wise fold decides.
-    let max_abs = |x: &ndarray::ArrayView4<'_, f32>| match x.as_slice().map(|x| kernel.max_abs(x)) {
+    // pass first (the converted queries are contiguous); it says `+inf`
+    // for NaN as for infinities, and then the element-wise fold decides.
+    let max_abs_q = match call.q.as_slice().map(|q| kernel.max_abs(q)) {
         Some(max) if max.is_finite() => max,
-        _ => x.fold(0.0f32, |max, x| max.max(x.abs())),
+        _ => call.q.fold(0.0f32, |max, x| max.max(x.abs())),
     };
-    let bound = f64::from(max_abs(&call.q))
-        * f64::from(max_abs(&call.k))
+    let max_abs_k = match call.k.as_slice_memory_order() {
+        // By slice where it is one (it vectorizes); the order does not matter.
+        Some(k) => max_abs_bits(k.iter()),
+        None => max_abs_bits(call.k.iter()),
+    };
+    let max_abs_k = match max_abs_k {
+        bits if bits > INFINITY_BITS => {
+            // A NaN: the largest magnitude among the rest.
+            let bits = call.k.fold(0, |max, x| match x.to_bits() & MAGNITUDE {
+                nan if nan > INFINITY_BITS => max,
+                bits => max.max(bits),
+            });
+            bf16::from_bits(bits).to_f32()
+        }
+        bits => bf16::from_bits(bits).to_f32(),
+    };
+    let bound = f64::from(max_abs_q)
+        * f64::from(max_abs_k)
         * call.shape.d_k as f64
         * f64::from(call.scale.abs().max(1.0));
     bound > f64::from(f32::MAX) / 2.0
+}
+
+/// The magnitude bits of a `bf16` (all but the sign).
+const MAGNITUDE: u16 = 0x7fff;
+/// The magnitude bits of `±inf`: larger ones are NaN, smaller ones finite.
+const INFINITY_BITS: u16 = 0x7f80;
+
+/// The largest magnitude bits in `x`: those of its largest `|x|` when all
+/// are finite, `INFINITY_BITS` with an infinity, more with a NaN.
+fn max_abs_bits<'x>(x: impl Iterator<Item = &'x bf16>) -> u16 {
+    x.fold(0, |max, x| max.max(x.to_bits() & MAGNITUDE))
 }
 
 /// The prefill with each `(batch, kv_head)` packed into [`PairedKeys`].
 fn prefill<K: Kernel>(
     kernel: K,
     kernels: PairKernels,
-    call: &Call<'_, f32>,
+    call: &Call<'_, f32, bf16>,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
@@ -109,7 +135,7 @@ fn prefill<K: Kernel>(
         forward_query_tile(call)
     };
     prefill_with(kernel, call, query_tile, out, log_sum_exp, |b, kv_h| {
-        PairedKeys::pack(kernel, kernels, call, b, kv_h)
+        PairedKeys::pack(kernels, call, b, kv_h)
     })
 }
 
@@ -136,10 +162,9 @@ impl PairedKeys {
     ///
     /// # Errors
     /// When the buffers are too large to address or cannot be allocated.
-    fn pack<K: Kernel>(
-        kernel: K,
+    fn pack(
         kernels: PairKernels,
-        call: &Call<'_, f32>,
+        call: &Call<'_, f32, bf16>,
         b: usize,
         kv_h: usize,
     ) -> Result<Self, AttentionError> {
@@ -153,7 +178,7 @@ impl PairedKeys {
         let mut values =
             Scratch::for_writing(what, element_count::<u32>(what, &[padded / 2, width])?)?;
         let mut tile_has_nonfinite_values = try_filled(what, tiles, false)?;
-        // A bf16 call's converted inputs are in standard layout: no copy.
+        // Copied only where a head's rows are not one block already.
         let (k, v) = (head(&call.k, b, kv_h), head(&call.v, b, kv_h));
         let (k, v) = (k.as_standard_layout(), v.as_standard_layout());
         let (k, v) = (
@@ -179,7 +204,10 @@ impl PairedKeys {
             values,
             width,
             // `+inf` when a key holds NaN or an infinity, as the f32 path's.
-            max_abs_key: kernel.max_abs(k),
+            max_abs_key: match max_abs_bits(k.iter()) {
+                bits if bits >= INFINITY_BITS => f32::INFINITY,
+                bits => bf16::from_bits(bits).to_f32(),
+            },
             tile_has_nonfinite_values,
         })
     }

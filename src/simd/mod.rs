@@ -512,13 +512,13 @@ mod no_bf16 {
             match self.0 {}
         }
 
-        pub(crate) fn pack_keys(self, _: &[f32], _: usize, _: &mut [u32]) {
+        pub(crate) fn pack_keys(self, _: &[half::bf16], _: usize, _: &mut [u32]) {
             match self.0 {}
         }
 
         pub(crate) fn pack_values(
             self,
-            _: &[f32],
+            _: &[half::bf16],
             _: usize,
             _: usize,
             _: &mut [u32],

@@ -70,7 +70,7 @@ impl PairKernels {
     }
 
     /// Packs key rows into key tiles; see [`Bf16Dot::pack_keys`].
-    pub(crate) fn pack_keys(self, keys: &[f32], d_k: usize, out: &mut [u32]) {
+    pub(crate) fn pack_keys(self, keys: &[half::bf16], d_k: usize, out: &mut [u32]) {
         self.dot().pack_keys(keys, d_k, out);
     }
 
@@ -78,7 +78,7 @@ impl PairKernels {
     /// infinity; see [`Bf16Dot::pack_values`].
     pub(crate) fn pack_values(
         self,
-        values: &[f32],
+        values: &[half::bf16],
         d_v: usize,
         width: usize,
         out: &mut [u32],
