@@ -547,9 +547,9 @@ pub(crate) mod sealed {
 
     /// `x` converted by `slice` into a new standard-layout array.
     #[cfg(feature = "half")]
-    fn convert_by_slice<A: Copy, B: Copy + num_traits::Zero, D: Dimension>(
+    fn convert_by_slice<A: Copy + Sync, B: Copy + Send + num_traits::Zero, D: Dimension>(
         x: ArrayView<'_, A, D>,
-        slice: impl Fn(&[A], &mut [B]),
+        slice: impl Fn(&[A], &mut [B]) + Send + Sync,
     ) -> Result<Array<B, D>, AttentionError> {
         let mut y = crate::alloc::try_with_capacity("a converted copy of an input", x.len())?;
         let dim = x.raw_dim();
@@ -565,17 +565,17 @@ pub(crate) mod sealed {
     /// zeroed before `slice` overwrites them all: a `memset` of a whole
     /// input measured 4% of a short `bf16` call.
     #[cfg(feature = "half")]
-    fn convert_by_slice_into<A: Copy, B: Copy + num_traits::Zero, D: Dimension>(
+    fn convert_by_slice_into<A: Copy + Sync, B: Copy + Send + num_traits::Zero, D: Dimension>(
         x: ArrayView<'_, A, D>,
         y: &mut Vec<B>,
-        slice: impl Fn(&[A], &mut [B]),
+        slice: impl Fn(&[A], &mut [B]) + Send + Sync,
     ) {
         let rows_contiguous = x.ndim() > 0 && x.strides().last() == Some(&1);
         match x.as_slice() {
             Some(x) => {
                 y.truncate(x.len());
                 y.resize(x.len(), B::zero());
-                slice(x, y);
+                crate::parallel::for_each_piece(x, y, slice);
             }
             None if rows_contiguous => {
                 y.truncate(x.len());
@@ -598,14 +598,14 @@ pub(crate) mod sealed {
 
     /// Writes `x` converted into `out` (the same shape, any strides).
     #[cfg(feature = "half")]
-    fn write<A: Copy, B>(
+    fn write<A: Copy + Sync, B: Send>(
         out: &mut ArrayViewMut4<'_, B>,
         x: ndarray::ArrayView4<'_, A>,
-        slice: impl Fn(&[A], &mut [B]),
+        slice: impl Fn(&[A], &mut [B]) + Send + Sync,
         each: impl Fn(A) -> B,
     ) {
         match (x.as_slice(), out.as_slice_mut()) {
-            (Some(x), Some(out)) => slice(x, out),
+            (Some(x), Some(out)) => crate::parallel::for_each_piece(x, out, slice),
             _ => ndarray::Zip::from(out)
                 .and(&x)
                 .for_each(|y, &x| *y = each(x)),

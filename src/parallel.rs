@@ -58,3 +58,63 @@ pub(crate) fn split_into_chunks<'a, A, D: ndarray::Dimension>(
     }
     pieces
 }
+
+/// Elements per piece of [`for_each_piece`]: 32 Ki, 128 KiB of `f32`,
+/// enough work per task (a conversion runs at several elements per
+/// nanosecond) for the split to pay.
+#[cfg_attr(not(feature = "rayon"), allow(dead_code))]
+const PIECE: usize = 32 * 1024;
+/// The fewest elements [`for_each_piece`] splits: below this the pool's
+/// wake-ups cost more than the split saves (measured with two threads on
+/// a Sapphire Rapids Xeon: a 256-token causal bf16 forward, whose q and
+/// output are 128 Ki elements each, ran 9% slower split in four).
+#[cfg_attr(not(feature = "rayon"), allow(dead_code))]
+const SPLIT_FROM: usize = 8 * PIECE;
+
+/// `work(x_piece, y_piece)` over `x` and `y` (of one length) cut into
+/// matching pieces: element-wise work, such as a whole input's conversion,
+/// which would otherwise run on one thread before and after a parallel
+/// call. In one piece when short (under [`SPLIT_FROM`]) or with one
+/// thread.
+#[cfg_attr(not(feature = "half"), allow(dead_code))]
+pub(crate) fn for_each_piece<A: Sync, B: Send>(
+    x: &[A],
+    y: &mut [B],
+    work: impl Fn(&[A], &mut [B]) + Send + Sync,
+) {
+    assert_eq!(x.len(), y.len(), "matching lengths");
+    #[cfg(feature = "rayon")]
+    {
+        use rayon::prelude::*;
+        if x.len() >= SPLIT_FROM && rayon::current_num_threads() > 1 {
+            x.par_chunks(PIECE)
+                .zip(y.par_chunks_mut(PIECE))
+                .for_each(|(x, y)| work(x, y));
+            return;
+        }
+    }
+    work(x, y);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_every_element_once_in_place() {
+        // Past the split threshold, with a ragged last piece, and short.
+        for len in [SPLIT_FROM + PIECE / 3, 1000, 0] {
+            let x: Vec<u32> = (0..len as u32).collect();
+            let mut y = vec![0u64; len];
+            for_each_piece(&x, &mut y, |x, y| {
+                for (y, &x) in y.iter_mut().zip(x) {
+                    *y += u64::from(x) * 3 + 1;
+                }
+            });
+            assert!(
+                y.iter().enumerate().all(|(i, &y)| y == i as u64 * 3 + 1),
+                "{len}"
+            );
+        }
+    }
+}
