@@ -15,7 +15,7 @@ use super::{KEY_TILE, forward_query_tile};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
 use crate::parallel::{map_with, split_into_chunks};
-use crate::simd::{Kernel, WithKernel};
+use crate::simd::{Kernel, Load, WithKernel};
 
 /// One forward call, waiting for its kernel.
 pub(super) struct Forward<'c, 'a> {
@@ -33,16 +33,37 @@ impl WithKernel for Forward<'_, '_> {
             out,
             log_sum_exp,
         } = self;
-        // With `d_v = 0` the output is empty but a log-sum-exp asked for
-        // is not: the softmax still runs.
-        if out.is_empty() && log_sum_exp.as_ref().is_none_or(|lse| lse.is_empty()) {
-            return Ok(());
-        }
-        if decode::reads_keys_in_place::<K>(call) {
-            decode::decode(kernel, call, out, log_sum_exp)
-        } else {
-            prefill(kernel, call, out, log_sum_exp)
-        }
+        forward_or_decode(kernel, call, out, log_sum_exp, prefill)
+    }
+}
+
+/// How every forward call starts, whatever its keys' type: nothing to do
+/// for an empty output, the decode driver for a decoding step it reads in
+/// place, else `prefill`.
+///
+/// # Errors
+/// As `prefill`, and when a decoding buffer cannot be allocated.
+pub(super) fn forward_or_decode<'c, 'o, K: Kernel, KV: Load + Float>(
+    kernel: K,
+    call: &Call<'c, f32, KV>,
+    out: ArrayViewMut4<'o, f32>,
+    log_sum_exp: Option<ArrayViewMut3<'o, f32>>,
+    prefill: impl FnOnce(
+        K,
+        &Call<'c, f32, KV>,
+        ArrayViewMut4<'o, f32>,
+        Option<ArrayViewMut3<'o, f32>>,
+    ) -> Result<(), AttentionError>,
+) -> Result<(), AttentionError> {
+    // With `d_v = 0` the output is empty but a log-sum-exp asked for
+    // is not: the softmax still runs.
+    if out.is_empty() && log_sum_exp.as_ref().is_none_or(|lse| lse.is_empty()) {
+        return Ok(());
+    }
+    if decode::reads_keys_in_place::<K>(call) {
+        decode::decode(kernel, call, out, log_sum_exp)
+    } else {
+        prefill(kernel, call, out, log_sum_exp)
     }
 }
 

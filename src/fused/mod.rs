@@ -108,8 +108,9 @@ pub(crate) fn forward(
 /// (exactly), keys and values read as the caller's `bf16`. Where
 /// [`simd::bf16_dot_runs_on`] says so for the kernel set chosen (by the
 /// CPU, `SDPA_KERNEL` or [`simd::with_kernel_set`]), the prefill packs
-/// them as `bf16` pairs for AMX tiles or `vdpbf16ps` (`pairs.rs`); else,
-/// and for decoding steps, it is [`forward_stored`].
+/// them as `bf16` pairs for AMX tiles or `vdpbf16ps` (`pairs.rs`); else
+/// it is [`forward_stored`]. Decoding steps run the decode driver on the
+/// `bf16` rows either way.
 ///
 /// # Errors
 /// As [`forward`].
@@ -169,36 +170,45 @@ pub(crate) fn forward_stored<H>(
 where
     H: simd::Load + crate::element::Storage<Compute = f32> + num_traits::Float,
 {
-    /// Whether the step reads keys in place on the kernel set.
-    struct InPlace<'c, 'a, H>(&'c Call<'a, f32, H>);
-    impl<H> simd::WithKernel for InPlace<'_, '_, H> {
-        type Output = bool;
-        fn run<K: simd::Kernel>(self, _kernel: K) -> bool {
-            decode::reads_keys_in_place::<K>(self.0)
-        }
-    }
-    /// The decoding step on the half-precision rows.
-    struct Decode<'c, 'a, 'o, H> {
+    /// The call on the kernel set, widened where it is not a decoding step.
+    struct Stored<'c, 'a, 'o, H> {
         call: &'c Call<'a, f32, H>,
         out: ArrayViewMut4<'o, f32>,
         log_sum_exp: Option<ArrayViewMut3<'o, f32>>,
     }
-    impl<H: simd::Load + num_traits::Float> simd::WithKernel for Decode<'_, '_, '_, H> {
+    impl<H> simd::WithKernel for Stored<'_, '_, '_, H>
+    where
+        H: simd::Load + crate::element::Storage<Compute = f32> + num_traits::Float,
+    {
         type Output = Result<(), AttentionError>;
         fn run<K: simd::Kernel>(self, kernel: K) -> Self::Output {
-            decode::decode(kernel, self.call, self.out, self.log_sum_exp)
+            let prefill = |_, call: &Call<'_, f32, H>, out, lse| forward_widened(call, out, lse);
+            forward::forward_or_decode(kernel, self.call, self.out, self.log_sum_exp, prefill)
         }
     }
 
-    let set = simd::current_kernel_set()?;
-    if simd::with_kernel(set, InPlace(call))? {
-        let job = Decode {
-            call,
-            out,
-            log_sum_exp,
-        };
-        return simd::with_kernel(set, job)?;
-    }
+    let job = Stored {
+        call,
+        out,
+        log_sum_exp,
+    };
+    simd::with_kernel(simd::current_kernel_set()?, job)?
+}
+
+/// A call with keys and values stored in half precision `H` on the `f32`
+/// path: `k` and `v` widened whole first.
+///
+/// # Errors
+/// As [`forward`], and when the widened copies cannot be allocated.
+#[cfg(feature = "half")]
+fn forward_widened<H>(
+    call: &Call<'_, f32, H>,
+    out: ArrayViewMut4<'_, f32>,
+    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
+) -> Result<(), AttentionError>
+where
+    H: crate::element::Storage<Compute = f32>,
+{
     let (k, v) = (H::to_compute(call.k.view())?, H::to_compute(call.v.view())?);
     let (k, v) = (k.view(), v.view());
     let widened = crate::call::check(&call.q, &k, &v, &call.opts)?;

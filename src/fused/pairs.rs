@@ -9,19 +9,19 @@
 //! A `bf16` call's keys and values reach here as the caller's `bf16`,
 //! packed straight from them, and its queries converted to `f32` exactly,
 //! so taking their `bf16` bits back (unscaled, in `tile.rs`) is exact too:
-//! the scores are the `f32` sums of exact products, scaled in `f32`. The one rounding this path adds over the
-//! `f32` path is the weights `P`, rounded to `bf16` per tile for `P·V`:
-//! each by a relative 2⁻⁸ at most, so an output moves by at most
-//! `2⁻⁸·Σ_j p_j·|v_j|/Σ_j p_j ≤ 2⁻⁸·max|v|` beyond the `f32` path's error.
+//! the scores are the `f32` sums of exact products, scaled in `f32`. The
+//! one rounding this path adds over the `f32` path is the weights `P`,
+//! rounded to `bf16` per tile for `P·V`: each by a relative 2⁻⁸ at most,
+//! so an output moves by at most `2⁻⁸·Σ_j p_j·|v_j|/Σ_j p_j ≤ 2⁻⁸·max|v|`
+//! beyond the `f32` path's error.
 
 use half::bf16;
 use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4};
 
-use super::decode;
-use super::forward::prefill_with;
+use super::forward::{forward_or_decode, prefill_with};
 use super::scratch::Scratch;
 use super::tile::{TileQueries, TileSource};
-use super::{KEY_TILE, forward_query_tile, forward_stored};
+use super::{KEY_TILE, forward_query_tile, forward_widened};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
@@ -52,12 +52,10 @@ pub(super) struct Bf16Forward<'c, 'a> {
 impl WithKernel for Bf16Forward<'_, '_> {
     type Output = Result<(), AttentionError>;
 
-    /// The pairs prefill, unless the path for keys and values stored in
-    /// `bf16` ([`forward_stored`]: decoding in place, else the `f32` path)
-    /// gives the answer: empty outputs and decoding steps (its own paths),
-    /// and calls whose unscaled products could overflow `f32` where the
-    /// `f32` path's scaled ones would not (it decides what an overflow
-    /// gives).
+    /// The pairs prefill, unless the call is empty or a decoding step
+    /// (their own paths), or its unscaled products could overflow `f32`
+    /// where the `f32` path's scaled ones would not: that path decides
+    /// what an overflow gives, so such calls are widened to it.
     fn run<K: Kernel>(self, kernel: K) -> Self::Output {
         let Bf16Forward {
             call,
@@ -65,49 +63,58 @@ impl WithKernel for Bf16Forward<'_, '_> {
             log_sum_exp,
             kernels,
         } = self;
-        let empty = out.is_empty() && log_sum_exp.as_ref().is_none_or(|lse| lse.is_empty());
-        if empty
-            || K::LANES != LANES
-            || decode::reads_keys_in_place::<K>(call)
-            || products_may_overflow(kernel, call)
-        {
-            return forward_stored(call, out, log_sum_exp);
-        }
-        prefill(kernel, kernels, call, out, log_sum_exp)
+        forward_or_decode(kernel, call, out, log_sum_exp, |kernel, call, out, lse| {
+            let magnitudes = key_magnitudes(call)?;
+            if K::LANES != LANES || products_may_overflow(kernel, call, &magnitudes) {
+                return forward_widened(call, out, lse);
+            }
+            prefill(kernel, kernels, call, &magnitudes, out, lse)
+        })
     }
 }
 
-/// Whether `|q·k|`, unscaled or scaled, may come near `f32::MAX` for some
-/// query and key: `d_k·max|q|·max|k|·max(|scale|, 1)` past half of it.
-fn products_may_overflow<K: Kernel>(kernel: K, call: &Call<'_, f32, bf16>) -> bool {
-    // NaN ignored (a NaN product is not an overflow). The kernel's vector
-    // pass first (the converted queries are contiguous); it says `+inf`
-    // for NaN as for infinities, and then the element-wise fold decides.
-    let max_abs_q = match call.q.as_slice().map(|q| kernel.max_abs(q)) {
-        Some(max) if max.is_finite() => max,
-        _ => call.q.fold(0.0f32, |max, x| max.max(x.abs())),
-    };
-    let max_abs_k = match call.k.as_slice_memory_order() {
-        // By slice where it is one (it vectorizes); the order does not matter.
-        Some(k) => max_abs_bits(k.iter()),
-        None => max_abs_bits(call.k.iter()),
-    };
-    let max_abs_k = match max_abs_k {
-        bits if bits > INFINITY_BITS => {
-            // A NaN: the largest magnitude among the rest.
-            let bits = call.k.fold(0, |max, x| match x.to_bits() & MAGNITUDE {
-                nan if nan > INFINITY_BITS => max,
-                bits => max.max(bits),
-            });
-            bf16::from_bits(bits).to_f32()
+/// The magnitudes of one head's keys, from one pass over them.
+#[derive(Clone, Copy, Default)]
+struct KeyMagnitude {
+    /// The largest magnitude bits among keys that are not NaN: those of
+    /// the largest finite `|k|`, or `INFINITY_BITS` with an infinity.
+    max_bits: u16,
+    has_nan: bool,
+}
+
+impl KeyMagnitude {
+    /// The magnitudes of `keys`, in any order: one pass (a plain maximum,
+    /// which vectorizes), and a second only when the first met a NaN.
+    fn of<'x>(keys: impl Iterator<Item = &'x bf16> + Clone) -> Self {
+        let magnitude = |x: &bf16| x.to_bits() & MAGNITUDE;
+        let max_bits = keys.clone().map(magnitude).fold(0, u16::max);
+        if max_bits <= INFINITY_BITS {
+            return Self {
+                max_bits,
+                has_nan: false,
+            };
         }
-        bits => bf16::from_bits(bits).to_f32(),
-    };
-    let bound = f64::from(max_abs_q)
-        * f64::from(max_abs_k)
-        * call.shape.d_k as f64
-        * f64::from(call.scale.abs().max(1.0));
-    bound > f64::from(f32::MAX) / 2.0
+        let not_nan = keys.map(magnitude).filter(|&bits| bits <= INFINITY_BITS);
+        Self {
+            max_bits: not_nan.fold(0, u16::max),
+            has_nan: true,
+        }
+    }
+
+    /// The largest `|k|` that is not NaN.
+    fn max_abs(self) -> f32 {
+        bf16::from_bits(self.max_bits).to_f32()
+    }
+
+    /// The bound the tiles mask with: `+inf` when a key holds NaN or an
+    /// infinity, as the `f32` path's.
+    fn max_abs_key(self) -> f32 {
+        if self.has_nan {
+            f32::INFINITY
+        } else {
+            self.max_abs()
+        }
+    }
 }
 
 /// The magnitude bits of a `bf16` (all but the sign).
@@ -115,10 +122,53 @@ const MAGNITUDE: u16 = 0x7fff;
 /// The magnitude bits of `±inf`: larger ones are NaN, smaller ones finite.
 const INFINITY_BITS: u16 = 0x7f80;
 
-/// The largest magnitude bits in `x`: those of its largest `|x|` when all
-/// are finite, `INFINITY_BITS` with an infinity, more with a NaN.
-fn max_abs_bits<'x>(x: impl Iterator<Item = &'x bf16>) -> u16 {
-    x.fold(0, |max, x| max.max(x.to_bits() & MAGNITUDE))
+/// Each `(batch, kv_head)`'s [`KeyMagnitude`], in job order.
+///
+/// # Errors
+/// When the list cannot be allocated.
+fn key_magnitudes(call: &Call<'_, f32, bf16>) -> Result<Vec<KeyMagnitude>, AttentionError> {
+    let shape = call.shape;
+    let what = "key magnitudes";
+    let mut magnitudes = try_filled(
+        what,
+        element_count::<KeyMagnitude>(what, &[shape.batch, shape.kv_heads])?,
+        KeyMagnitude::default(),
+    )?;
+    let heads = (0..shape.batch).flat_map(|b| (0..shape.kv_heads).map(move |h| (b, h)));
+    for (magnitude, (b, kv_h)) in magnitudes.iter_mut().zip(heads) {
+        let k = head(&call.k, b, kv_h);
+        *magnitude = match k.as_slice_memory_order() {
+            // By slice where it is one (it vectorizes); the order does not matter.
+            Some(k) => KeyMagnitude::of(k.iter()),
+            None => KeyMagnitude::of(k.iter()),
+        };
+    }
+    Ok(magnitudes)
+}
+
+/// Whether `|q·k|`, unscaled or scaled, may come near `f32::MAX` for some
+/// query and key: `d_k·max|q|·max|k|·max(|scale|, 1)` past half of it.
+/// NaN is ignored (a NaN product is not an overflow).
+fn products_may_overflow<K: Kernel>(
+    kernel: K,
+    call: &Call<'_, f32, bf16>,
+    magnitudes: &[KeyMagnitude],
+) -> bool {
+    // The kernel's vector pass first (the converted queries are
+    // contiguous); it says `+inf` for NaN as for infinities, and then the
+    // element-wise fold decides.
+    let max_abs_q = match call.q.as_slice().map(|q| kernel.max_abs(q)) {
+        Some(max) if max.is_finite() => max,
+        _ => call.q.fold(0.0f32, |max, x| max.max(x.abs())),
+    };
+    let max_abs_k = magnitudes
+        .iter()
+        .fold(0.0f32, |max, head| max.max(head.max_abs()));
+    let bound = f64::from(max_abs_q)
+        * f64::from(max_abs_k)
+        * call.shape.d_k as f64
+        * f64::from(call.scale.abs().max(1.0));
+    bound > f64::from(f32::MAX) / 2.0
 }
 
 /// The prefill with each `(batch, kv_head)` packed into [`PairedKeys`].
@@ -126,6 +176,7 @@ fn prefill<K: Kernel>(
     kernel: K,
     kernels: PairKernels,
     call: &Call<'_, f32, bf16>,
+    magnitudes: &[KeyMagnitude],
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
@@ -135,7 +186,8 @@ fn prefill<K: Kernel>(
         forward_query_tile(call)
     };
     prefill_with(kernel, call, query_tile, out, log_sum_exp, |b, kv_h| {
-        PairedKeys::pack(kernels, call, b, kv_h)
+        let magnitude = magnitudes[b * call.shape.kv_heads + kv_h];
+        PairedKeys::pack(kernels, call, b, kv_h, magnitude)
     })
 }
 
@@ -167,6 +219,7 @@ impl PairedKeys {
         call: &Call<'_, f32, bf16>,
         b: usize,
         kv_h: usize,
+        magnitude: KeyMagnitude,
     ) -> Result<Self, AttentionError> {
         let shape = call.shape;
         let tiles = shape.len_kv.div_ceil(KEY_TILE);
@@ -203,11 +256,7 @@ impl PairedKeys {
             d_pairs,
             values,
             width,
-            // `+inf` when a key holds NaN or an infinity, as the f32 path's.
-            max_abs_key: match max_abs_bits(k.iter()) {
-                bits if bits >= INFINITY_BITS => f32::INFINITY,
-                bits => bf16::from_bits(bits).to_f32(),
-            },
+            max_abs_key: magnitude.max_abs_key(),
             tile_has_nonfinite_values,
         })
     }

@@ -297,6 +297,50 @@ fn the_native_path_is_taken_and_differs_from_converting_only_by_the_weights_on(e
 }
 
 #[test]
+fn products_that_overflow_only_unscaled_give_the_f32_paths_answer() {
+    engines()
+        .into_iter()
+        .for_each(products_that_overflow_only_unscaled_give_the_f32_paths_answer_on);
+}
+
+fn products_that_overflow_only_unscaled_give_the_f32_paths_answer_on(engine: Engine) {
+    // One key head of the second batch item holds keys near 2¹²⁰: q·k
+    // unscaled (the native path's tiles) passes f32::MAX, scaled by 1/8
+    // first (the f32 path) it does not. The whole call must take the f32
+    // path, bit for bit what converting gives, and stay finite.
+    let shape = [2, 2, 2, 40, 150, 64, 32];
+    let c = Case::new(shape, 11);
+    let mut k = c.k.clone();
+    k.slice_mut(s![1, 1, .., ..])
+        .mapv_inplace(|x| bf16::from_f32(x.to_f32() * 2f32.powi(120)));
+    let opts = AttentionOptions::new();
+    let got = run(engine, &c.q, &k, &c.v, &opts);
+    let converted = with_bf16_dot(false, || {
+        with_kernel_set(engine.set, || {
+            scaled_dot_product_attention(c.q.view(), k.view(), c.v.view(), &opts)
+        })
+    })
+    .expect("the set runs")
+    .expect("the call runs");
+    assert!(got.iter().all(|x| x.is_finite()));
+    assert!(
+        got.iter()
+            .zip(&converted)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    );
+    // And the reference agrees: such scores make each row's weights one-hot.
+    let (q, k, v) = (wide(&c.q), wide(&k), wide(&c.v));
+    let want = sdpa::core::scaled_dot_product_attention(
+        q.view(),
+        k.view(),
+        v.view(),
+        &AttentionOptions::new(),
+    )
+    .expect("the reference runs");
+    check(&got, &want, c.max_abs_v(), "overflowing products");
+}
+
+#[test]
 fn nan_in_masked_keys_and_values_never_reaches_the_output() {
     engines()
         .into_iter()
