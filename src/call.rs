@@ -51,12 +51,15 @@ impl AttentionShape {
 /// passed, under one lifetime (ndarray's views are invariant in theirs, so
 /// the views and options are reborrowed rather than moved).
 ///
-/// The keys and values are stored in `KV`: the compute type `F` itself,
-/// except for a half-precision `KvCache`'s decoding step, whose keys and
-/// values stay in `bf16`/`f16` and are widened tile by tile.
+/// The keys and values are stored in `KV` and the queries in `Q`: the
+/// compute type `F` itself, except for half-precision calls, whose keys
+/// and values stay in `bf16`/`f16` (widened tile by tile, or packed as
+/// they are), and whose queries do too (a half call's, widened as a query
+/// tile loads them) or are `f32` (a half `KvCache` attended from `f32`
+/// projections).
 #[derive(Debug, Clone)]
-pub(crate) struct Call<'a, F, KV = F> {
-    pub q: ArrayView4<'a, F>,
+pub(crate) struct Call<'a, F, KV = F, Q = F> {
+    pub q: ArrayView4<'a, Q>,
     pub k: ArrayView4<'a, KV>,
     pub v: ArrayView4<'a, KV>,
     pub opts: AttentionOptions<'a, F>,
@@ -75,12 +78,12 @@ pub(crate) struct BackwardCall<'a, F> {
 }
 
 /// Checks `q`, `k`, `v` and the options against each other.
-pub(crate) fn check<'a, F: Element, KV>(
-    q: &'a ArrayView4<'_, F>,
+pub(crate) fn check<'a, F: Element, KV, Q>(
+    q: &'a ArrayView4<'_, Q>,
     k: &'a ArrayView4<'_, KV>,
     v: &'a ArrayView4<'_, KV>,
     opts: &'a AttentionOptions<'_, F>,
-) -> Result<Call<'a, F, KV>, AttentionError> {
+) -> Result<Call<'a, F, KV, Q>, AttentionError> {
     let shape = check_shapes(&PADDED, q.shape(), k.shape(), v.shape())?;
     let layouts = || (PADDED.describe)(q.shape(), k.shape(), v.shape());
     let total_len_kv = match opts.key_shard {

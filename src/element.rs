@@ -257,6 +257,17 @@ pub(crate) mod sealed {
         where
             Self: Storage;
 
+        /// [`forward_stored`](Self::forward_stored) with the queries in this
+        /// type too (a functional call's): a half type's are widened a
+        /// query tile at a time, never whole.
+        fn forward_all_stored(
+            call: &Call<'_, <Self as Storage>::Compute, Self, Self>,
+            out: ArrayViewMut4<'_, <Self as Storage>::Compute>,
+            log_sum_exp: Option<ArrayViewMut3<'_, <Self as Storage>::Compute>>,
+        ) -> Result<(), AttentionError>
+        where
+            Self: Storage;
+
         /// Runs `f` on `opts` with its scalars and bias in the reference type.
         fn with_reference_options<R>(
             opts: &AttentionOptions<'_, <Self as Storage>::Compute>,
@@ -343,6 +354,14 @@ pub(crate) mod sealed {
                 }
 
                 fn forward_stored(
+                    call: &Call<'_, $t>,
+                    out: ArrayViewMut4<'_, $t>,
+                    log_sum_exp: Option<ArrayViewMut3<'_, $t>>,
+                ) -> Result<(), AttentionError> {
+                    <$t as Sealed>::forward(call, out, log_sum_exp)
+                }
+
+                fn forward_all_stored(
                     call: &Call<'_, $t>,
                     out: ArrayViewMut4<'_, $t>,
                     log_sum_exp: Option<ArrayViewMut3<'_, $t>>,
@@ -452,6 +471,14 @@ pub(crate) mod sealed {
 
                 fn forward_stored(
                     call: &Call<'_, f32, $t>,
+                    out: ArrayViewMut4<'_, f32>,
+                    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
+                ) -> Result<(), AttentionError> {
+                    $forward(call, out, log_sum_exp)
+                }
+
+                fn forward_all_stored(
+                    call: &Call<'_, f32, $t, $t>,
                     out: ArrayViewMut4<'_, f32>,
                     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
                 ) -> Result<(), AttentionError> {

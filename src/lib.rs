@@ -100,11 +100,13 @@ pub fn scaled_dot_product_attention<F: Storage>(
     v: ArrayView4<'_, F>,
     opts: &AttentionOptions<'_, F::Compute>,
 ) -> Result<Array4<F>, AttentionError> {
-    let q = F::to_compute(q)?;
-    let q = q.view();
+    // The queries stay in `F` too: a half call widens them a query tile at
+    // a time.
     let call = call::check(&q, &k, &v, opts)?;
     let mut out = alloc::try_zeros("the output", call.shape.output_dim())?;
-    F::write_compute(out.view_mut(), |out| F::forward_stored(&call, out, None))?;
+    F::write_compute(out.view_mut(), |out| {
+        F::forward_all_stored(&call, out, None)
+    })?;
     Ok(out)
 }
 
@@ -134,11 +136,9 @@ pub fn scaled_dot_product_attention_into<F: Storage>(
     opts: &AttentionOptions<'_, F::Compute>,
     out: ArrayViewMut4<'_, F>,
 ) -> Result<(), AttentionError> {
-    let q = F::to_compute(q)?;
-    let q = q.view();
     let call = call::check(&q, &k, &v, opts)?;
     call::check_output(&call.shape, out.shape())?;
-    F::write_compute(out, |out| F::forward_stored(&call, out, None))
+    F::write_compute(out, |out| F::forward_all_stored(&call, out, None))
 }
 
 /// Attention over the keys and values given, as a mergeable
@@ -178,13 +178,11 @@ pub fn scaled_dot_product_attention_partial<F: Storage>(
     v: ArrayView4<'_, F>,
     opts: &AttentionOptions<'_, F::Compute>,
 ) -> Result<AttentionPartial<F>, AttentionError> {
-    let q = F::to_compute(q)?;
-    let q = q.view();
     let call = call::check(&q, &k, &v, opts)?;
     let mut partial = AttentionPartial::<F>::zeros(call.shape.output_dim())?;
     let (output, log_sum_exp) = partial.parts_mut();
     F::write_compute(output, |output| {
-        F::forward_stored(&call, output, Some(log_sum_exp))
+        F::forward_all_stored(&call, output, Some(log_sum_exp))
     })?;
     Ok(partial)
 }

@@ -89,7 +89,7 @@ pub(crate) fn broadcast_row<'v, T>(
         .index_axis_move(Axis(0), broadcast(shape[2], i))
 }
 
-impl<F: Copy, KV> Call<'_, F, KV> {
+impl<F: Copy, KV, Q> Call<'_, F, KV, Q> {
     /// Index in the whole key sequence of the call's key 0 (see
     /// [`AttentionOptions::key_shard`](crate::AttentionOptions::key_shard)).
     pub(crate) fn key_offset(&self) -> usize {
@@ -182,6 +182,7 @@ impl<F: Copy, KV> Call<'_, F, KV> {
     ) where
         F: Float,
         KV: Float,
+        Q: Float,
     {
         if !head(&self.q, b, h).row(i).iter().all(|x| x.is_finite()) {
             return;

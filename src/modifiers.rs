@@ -128,7 +128,7 @@ impl<F: Float> AlibiRow<F> {
     }
 }
 
-impl<F: Copy, KV> Call<'_, F, KV> {
+impl<F: Copy, KV, Q> Call<'_, F, KV, Q> {
     /// The ALiBi of query `i` of head `h`, if the call has ALiBi.
     pub(crate) fn alibi(&self, h: usize, i: usize) -> Option<AlibiRow<F>> {
         let slopes = self.opts.alibi?;

@@ -7,7 +7,7 @@
 use ndarray::{Array1, Array2, ArrayView2, ArrayView4, ArrayViewMut3, ArrayViewMut4, Axis, s};
 
 use super::tile::{KeySource, QueryTile, TilePosition};
-use super::{DECODE_CHUNK, DECODE_MAX_QUERIES, KEY_TILE};
+use super::{DECODE_CHUNK, DECODE_MAX_QUERIES, KEY_TILE, Query};
 use crate::alloc::{element_count, try_with_capacity, try_zeros};
 use crate::call::{Call, head, head_mut};
 use crate::error::AttentionError;
@@ -20,7 +20,7 @@ use num_traits::Float;
 /// Whether the call is a decoding step whose keys and values the kernels
 /// can read in place: few queries, rows contiguous, and head dims that are
 /// whole vectors (so no row is read past its end).
-pub(super) fn reads_keys_in_place<K: Kernel>(call: &Call<'_, f32, impl Sized>) -> bool {
+pub(super) fn reads_keys_in_place<K: Kernel, KV, Q>(call: &Call<'_, f32, KV, Q>) -> bool {
     fn contiguous_rows<KV>(x: &ArrayView4<'_, KV>) -> bool {
         x.shape()[3] <= 1 || x.strides()[3] == 1
     }
@@ -39,9 +39,9 @@ pub(super) fn reads_keys_in_place<K: Kernel>(call: &Call<'_, f32, impl Sized>) -
 ///
 /// # Errors
 /// When a tile or partial-result buffer cannot be allocated.
-pub(super) fn decode<K: Kernel, KV: Load + Float>(
+pub(super) fn decode<K: Kernel, KV: Load + Float, Q: Query>(
     kernel: K,
-    call: &Call<'_, f32, KV>,
+    call: &Call<'_, f32, KV, Q>,
     mut out: ArrayViewMut4<'_, f32>,
     mut log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {

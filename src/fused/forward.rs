@@ -11,20 +11,20 @@ use num_traits::Float;
 use super::decode;
 use super::pack::PackedHead;
 use super::tile::{KeySource, QueryTile, TilePosition, TileSource};
-use super::{KEY_TILE, forward_query_tile};
+use super::{KEY_TILE, Query, forward_query_tile};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
 use crate::parallel::{map_with, split_into_chunks};
 use crate::simd::{Kernel, Load, WithKernel};
 
 /// One forward call, waiting for its kernel.
-pub(super) struct Forward<'c, 'a> {
-    pub(super) call: &'c Call<'a, f32>,
+pub(super) struct Forward<'c, 'a, Q> {
+    pub(super) call: &'c Call<'a, f32, f32, Q>,
     pub(super) out: ArrayViewMut4<'c, f32>,
     pub(super) log_sum_exp: Option<ArrayViewMut3<'c, f32>>,
 }
 
-impl WithKernel for Forward<'_, '_> {
+impl<Q: Query> WithKernel for Forward<'_, '_, Q> {
     type Output = Result<(), AttentionError>;
 
     fn run<K: Kernel>(self, kernel: K) -> Self::Output {
@@ -43,14 +43,14 @@ impl WithKernel for Forward<'_, '_> {
 ///
 /// # Errors
 /// As `prefill`, and when a decoding buffer cannot be allocated.
-pub(super) fn forward_or_decode<'c, 'o, K: Kernel, KV: Load + Float>(
+pub(super) fn forward_or_decode<'c, 'o, K: Kernel, KV: Load + Float, Q: Query>(
     kernel: K,
-    call: &Call<'c, f32, KV>,
+    call: &Call<'c, f32, KV, Q>,
     out: ArrayViewMut4<'o, f32>,
     log_sum_exp: Option<ArrayViewMut3<'o, f32>>,
     prefill: impl FnOnce(
         K,
-        &Call<'c, f32, KV>,
+        &Call<'c, f32, KV, Q>,
         ArrayViewMut4<'o, f32>,
         Option<ArrayViewMut3<'o, f32>>,
     ) -> Result<(), AttentionError>,
@@ -60,7 +60,7 @@ pub(super) fn forward_or_decode<'c, 'o, K: Kernel, KV: Load + Float>(
     if out.is_empty() && log_sum_exp.as_ref().is_none_or(|lse| lse.is_empty()) {
         return Ok(());
     }
-    if decode::reads_keys_in_place::<K>(call) {
+    if decode::reads_keys_in_place::<K, _, _>(call) {
         decode::decode(kernel, call, out, log_sum_exp)
     } else {
         prefill(kernel, call, out, log_sum_exp)
@@ -73,9 +73,9 @@ pub(super) fn forward_or_decode<'c, 'o, K: Kernel, KV: Load + Float>(
 ///
 /// # Errors
 /// When a packing or tile buffer cannot be allocated.
-fn prefill<K: Kernel>(
+fn prefill<K: Kernel, Q: Query>(
     kernel: K,
-    call: &Call<'_, f32>,
+    call: &Call<'_, f32, f32, Q>,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
@@ -106,9 +106,9 @@ fn prefill<K: Kernel>(
 ///
 /// # Errors
 /// When `pack` or a tile buffer fails.
-pub(super) fn prefill_with<K: Kernel, S: TileSource + Sync, KV: Float + Sync>(
+pub(super) fn prefill_with<K: Kernel, S: TileSource + Sync, KV: Float + Sync, Q: Query>(
     kernel: K,
-    call: &Call<'_, f32, KV>,
+    call: &Call<'_, f32, KV, Q>,
     query_tile: usize,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,

@@ -68,13 +68,30 @@ pub(crate) const CAUSAL_QUERY_TILE: usize = 48;
 /// identical for any number of threads. Each row's result does not depend
 /// on the tile height anyway: rows are independent and see the same key
 /// tiles in the same order.
-pub(crate) fn forward_query_tile<KV>(call: &Call<'_, f32, KV>) -> usize {
+pub(crate) fn forward_query_tile<KV, Q>(call: &Call<'_, f32, KV, Q>) -> usize {
     if call.opts.causal.is_some() {
         CAUSAL_QUERY_TILE
     } else {
         QUERY_TILE
     }
 }
+/// What the fused forward reads queries as: `f32`, or a half call's
+/// `bf16`/`f16`, widened as a query tile loads them.
+pub(crate) trait Query: simd::Load + num_traits::Float {
+    /// Whether every query is a `bf16`, so that the `bf16` products may
+    /// take its bits as they are. `f32` queries (a `KvCache` attended from
+    /// `f32` projections) are never rounded.
+    #[cfg_attr(not(feature = "half"), allow(dead_code))]
+    const BF16: bool = false;
+}
+impl Query for f32 {}
+#[cfg(feature = "half")]
+impl Query for half::bf16 {
+    const BF16: bool = true;
+}
+#[cfg(feature = "half")]
+impl Query for half::f16 {}
+
 /// Keys per tile: a multiple of every kernel set's key panel.
 pub(crate) const KEY_TILE: usize = 64;
 /// Calls with at most this many query rows per head are decoding steps:
@@ -91,8 +108,8 @@ pub(crate) const DECODE_CHUNK: usize = 1024;
 /// # Errors
 /// When the kernel set forced for this call cannot run on this CPU, or a
 /// working buffer cannot be allocated.
-pub(crate) fn forward(
-    call: &Call<'_, f32>,
+pub(crate) fn forward<Q: Query>(
+    call: &Call<'_, f32, f32, Q>,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
@@ -104,24 +121,25 @@ pub(crate) fn forward(
     simd::with_kernel(simd::current_kernel_set()?, job)?
 }
 
-/// Attention on the fused path for a `bf16` call: `q` converted to `f32`
-/// (exactly), keys and values read as the caller's `bf16`. Where
+/// Attention on the fused path for a `bf16` call: keys and values read as
+/// the caller's `bf16`, queries as they come (`bf16`, or `f32` from a
+/// `KvCache`'s layer), widened a query tile at a time. Where
 /// [`simd::bf16_dot_runs_on`] says so for the kernel set chosen (by the
 /// CPU, `SDPA_KERNEL` or [`simd::with_kernel_set`]), the prefill packs
-/// them as `bf16` pairs for AMX tiles or `vdpbf16ps` (`pairs.rs`); else
-/// it is [`forward_stored`]. Decoding steps run the decode driver on the
-/// `bf16` rows either way.
+/// them as `bf16` pairs for AMX tiles or `vdpbf16ps` (`pairs.rs`) when the
+/// queries are `bf16` too; else it is [`forward_stored`]. Decoding steps
+/// run the decode driver on the `bf16` rows either way.
 ///
 /// # Errors
 /// As [`forward`].
 #[cfg(feature = "half")]
-pub(crate) fn forward_bf16(
-    call: &Call<'_, f32, half::bf16>,
+pub(crate) fn forward_bf16<Q: Query>(
+    call: &Call<'_, f32, half::bf16, Q>,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     let set = simd::current_kernel_set()?;
-    match simd::pair_kernels(set, call.shape.d_k) {
+    match simd::pair_kernels(set, call.shape.d_k).filter(|_| Q::BF16) {
         Some(kernels) => {
             let job = pairs::Bf16Forward {
                 call,
@@ -149,8 +167,8 @@ pub(crate) fn backward(
 }
 
 /// Attention over keys and values stored in half precision `H` (a half
-/// call's or a half-precision `KvCache`'s), `q`, `out` and the log-sum-exp
-/// in `f32`.
+/// call's or a half-precision `KvCache`'s), `q` in `H` or `f32` (widened a
+/// query tile at a time), `out` and the log-sum-exp in `f32`.
 ///
 /// A decoding step the kernels can read in place (few queries, head dims
 /// whole vectors of the kernel set, rows contiguous) runs the decode
@@ -162,8 +180,8 @@ pub(crate) fn backward(
 /// # Errors
 /// As [`forward`], and when the widened copies cannot be allocated.
 #[cfg(feature = "half")]
-pub(crate) fn forward_stored<H>(
-    call: &Call<'_, f32, H>,
+pub(crate) fn forward_stored<H, Q: Query>(
+    call: &Call<'_, f32, H, Q>,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError>
@@ -171,18 +189,18 @@ where
     H: simd::Load + crate::element::Storage<Compute = f32> + num_traits::Float,
 {
     /// The call on the kernel set, widened where it is not a decoding step.
-    struct Stored<'c, 'a, 'o, H> {
-        call: &'c Call<'a, f32, H>,
+    struct Stored<'c, 'a, 'o, H, Q> {
+        call: &'c Call<'a, f32, H, Q>,
         out: ArrayViewMut4<'o, f32>,
         log_sum_exp: Option<ArrayViewMut3<'o, f32>>,
     }
-    impl<H> simd::WithKernel for Stored<'_, '_, '_, H>
+    impl<H, Q: Query> simd::WithKernel for Stored<'_, '_, '_, H, Q>
     where
         H: simd::Load + crate::element::Storage<Compute = f32> + num_traits::Float,
     {
         type Output = Result<(), AttentionError>;
         fn run<K: simd::Kernel>(self, kernel: K) -> Self::Output {
-            let prefill = |_, call: &Call<'_, f32, H>, out, lse| forward_widened(call, out, lse);
+            let prefill = |_, call: &Call<'_, f32, H, Q>, out, lse| forward_widened(call, out, lse);
             forward::forward_or_decode(kernel, self.call, self.out, self.log_sum_exp, prefill)
         }
     }
@@ -196,13 +214,14 @@ where
 }
 
 /// A call with keys and values stored in half precision `H` on the `f32`
-/// path: `k` and `v` widened whole first.
+/// path: `k` and `v` widened whole first (the queries are widened a tile
+/// at a time, as always).
 ///
 /// # Errors
 /// As [`forward`], and when the widened copies cannot be allocated.
 #[cfg(feature = "half")]
-fn forward_widened<H>(
-    call: &Call<'_, f32, H>,
+fn forward_widened<H, Q: Query>(
+    call: &Call<'_, f32, H, Q>,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError>

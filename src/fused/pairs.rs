@@ -7,8 +7,10 @@
 //! [`TileSource`] with its packing.
 //!
 //! A `bf16` call's keys and values reach here as the caller's `bf16`,
-//! packed straight from them, and its queries converted to `f32` exactly,
-//! so taking their `bf16` bits back (unscaled, in `tile.rs`) is exact too:
+//! packed straight from them, and its queries (`bf16`, or `f32` from a
+//! `KvCache`'s layer) widened to `f32` exactly a query tile at a time; a
+//! call whose queries are all `bf16` takes their bits back exactly when
+//! `tile.rs` pairs them (unscaled):
 //! the scores are the `f32` sums of exact products, scaled in `f32`. The
 //! one rounding this path adds over the `f32` path is the weights `P`,
 //! rounded to `bf16` per tile for `P·V`: each by a relative 2⁻⁸ at most,
@@ -21,11 +23,11 @@ use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4};
 use super::forward::{forward_or_decode, prefill_with};
 use super::scratch::Scratch;
 use super::tile::{TileQueries, TileSource};
-use super::{KEY_TILE, forward_query_tile, forward_widened};
+use super::{KEY_TILE, Query, forward_query_tile, forward_widened};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
-use crate::simd::{Kernel, PAIR_KEYS, PairKernels, WithKernel};
+use crate::simd::{Kernel, Load, PAIR_KEYS, PairKernels, WithKernel};
 
 const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
 
@@ -42,14 +44,14 @@ const AMX_CAUSAL_QUERY_TILE: usize = 64;
 const LANES: usize = 16;
 
 /// One `bf16` forward call read natively, waiting for its kernel set.
-pub(super) struct Bf16Forward<'c, 'a> {
-    pub(super) call: &'c Call<'a, f32, bf16>,
+pub(super) struct Bf16Forward<'c, 'a, Q> {
+    pub(super) call: &'c Call<'a, f32, bf16, Q>,
     pub(super) out: ArrayViewMut4<'c, f32>,
     pub(super) log_sum_exp: Option<ArrayViewMut3<'c, f32>>,
     pub(super) kernels: PairKernels,
 }
 
-impl WithKernel for Bf16Forward<'_, '_> {
+impl<Q: Query> WithKernel for Bf16Forward<'_, '_, Q> {
     type Output = Result<(), AttentionError>;
 
     /// The pairs prefill, unless the call is empty or a decoding step
@@ -126,7 +128,7 @@ const INFINITY_BITS: u16 = 0x7f80;
 ///
 /// # Errors
 /// When the list cannot be allocated.
-fn key_magnitudes(call: &Call<'_, f32, bf16>) -> Result<Vec<KeyMagnitude>, AttentionError> {
+fn key_magnitudes<Q>(call: &Call<'_, f32, bf16, Q>) -> Result<Vec<KeyMagnitude>, AttentionError> {
     let shape = call.shape;
     let what = "key magnitudes";
     let mut magnitudes = try_filled(
@@ -149,17 +151,19 @@ fn key_magnitudes(call: &Call<'_, f32, bf16>) -> Result<Vec<KeyMagnitude>, Atten
 /// Whether `|q·k|`, unscaled or scaled, may come near `f32::MAX` for some
 /// query and key: `d_k·max|q|·max|k|·max(|scale|, 1)` past half of it.
 /// NaN is ignored (a NaN product is not an overflow).
-fn products_may_overflow<K: Kernel>(
+fn products_may_overflow<K: Kernel, Q: Query>(
     kernel: K,
-    call: &Call<'_, f32, bf16>,
+    call: &Call<'_, f32, bf16, Q>,
     magnitudes: &[KeyMagnitude],
 ) -> bool {
-    // The kernel's vector pass first (the converted queries are
-    // contiguous); it says `+inf` for NaN as for infinities, and then the
-    // element-wise fold decides.
-    let max_abs_q = match call.q.as_slice().map(|q| kernel.max_abs(q)) {
+    // The kernel's vector pass first, over the queries' memory in any
+    // order where it is one block; it says `+inf` for NaN as for
+    // infinities, and then the element-wise fold decides.
+    let max_abs_q = match call.q.as_slice_memory_order().map(|q| kernel.max_abs(q)) {
         Some(max) if max.is_finite() => max,
-        _ => call.q.fold(0.0f32, |max, x| max.max(x.abs())),
+        _ => call
+            .q
+            .fold(0.0f32, |max, x| max.max(Load::to_f32(*x).abs())),
     };
     let max_abs_k = magnitudes
         .iter()
@@ -172,10 +176,10 @@ fn products_may_overflow<K: Kernel>(
 }
 
 /// The prefill with each `(batch, kv_head)` packed into [`PairedKeys`].
-fn prefill<K: Kernel>(
+fn prefill<K: Kernel, Q: Query>(
     kernel: K,
     kernels: PairKernels,
-    call: &Call<'_, f32, bf16>,
+    call: &Call<'_, f32, bf16, Q>,
     magnitudes: &[KeyMagnitude],
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
@@ -214,9 +218,9 @@ impl PairedKeys {
     ///
     /// # Errors
     /// When the buffers are too large to address or cannot be allocated.
-    fn pack(
+    fn pack<Q>(
         kernels: PairKernels,
-        call: &Call<'_, f32, bf16>,
+        call: &Call<'_, f32, bf16, Q>,
         b: usize,
         kv_h: usize,
         magnitude: KeyMagnitude,

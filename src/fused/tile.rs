@@ -9,8 +9,8 @@ use std::ops::Range;
 use ndarray::{ArrayView2, ArrayViewMut1, ArrayViewMut2, s};
 use num_traits::Float;
 
-use super::KEY_TILE;
 use super::scratch::Scratch;
+use super::{KEY_TILE, Query};
 use crate::alloc::element_count;
 use crate::call::{AttentionShape, Call};
 use crate::error::AttentionError;
@@ -39,7 +39,7 @@ pub(crate) struct TileSpan {
 }
 
 impl TileSpan {
-    pub(crate) fn of<KV>(at: &TilePosition, call: &Call<'_, f32, KV>) -> Self {
+    pub(crate) fn of<KV, Q>(at: &TilePosition, call: &Call<'_, f32, KV, Q>) -> Self {
         let mut span = TileSpan {
             min_start: usize::MAX,
             max_start: 0,
@@ -63,7 +63,7 @@ impl TileSpan {
 
     /// Whether the key tile at `j0` needs the element-wise mask: a keep
     /// mask, or a row's range (or the end of the keys) cutting through it.
-    pub(crate) fn needs_mask<KV>(&self, j0: usize, call: &Call<'_, f32, KV>) -> bool {
+    pub(crate) fn needs_mask<KV, Q>(&self, j0: usize, call: &Call<'_, f32, KV, Q>) -> bool {
         call.opts.keep_mask.is_some() || j0 + KEY_TILE > self.min_end || j0 < self.max_start
     }
 }
@@ -72,11 +72,11 @@ impl TileSpan {
 /// and keys whose product overflowed ([`Call::mark_overflowed_scores`]).
 /// Finite scores, the common case even when a bound said they might not
 /// be, cost one pass.
-fn mark_overflowed_scores<KV: Float>(
+fn mark_overflowed_scores<KV: Float, Q: Float>(
     scores: &mut [f32],
     at: &TilePosition,
     j0: usize,
-    call: &Call<'_, f32, KV>,
+    call: &Call<'_, f32, KV, Q>,
 ) {
     let keys = KEY_TILE.min(call.shape.len_kv - j0);
     for (r, row) in scores.chunks_exact_mut(KEY_TILE).take(at.rows).enumerate() {
@@ -90,11 +90,11 @@ fn mark_overflowed_scores<KV: Float>(
 
 /// Adds the bias, if any, to the scores (row stride `KEY_TILE`) of the
 /// tile's real rows and keys.
-pub(crate) fn add_bias<KV>(
+pub(crate) fn add_bias<KV, Q>(
     scores: &mut [f32],
     at: &TilePosition,
     j0: usize,
-    call: &Call<'_, f32, KV>,
+    call: &Call<'_, f32, KV, Q>,
 ) {
     if call.opts.bias.is_none() {
         return;
@@ -146,11 +146,11 @@ const KEY_COLUMNS: [f32; KEY_TILE] = {
 /// Adds ALiBi's `slope·(j − p_i)`, if the call has ALiBi, to the scores
 /// (row stride `KEY_TILE`) of the tile's real rows and keys. Distances are
 /// exact in `f32` below 2²⁴ positions.
-pub(crate) fn add_alibi<KV>(
+pub(crate) fn add_alibi<KV, Q>(
     scores: &mut [f32],
     at: &TilePosition,
     j0: usize,
-    call: &Call<'_, f32, KV>,
+    call: &Call<'_, f32, KV, Q>,
 ) {
     if call.opts.alibi.is_none() {
         return;
@@ -170,7 +170,12 @@ pub(crate) fn add_alibi<KV>(
 
 /// Sets the scores (row stride `KEY_TILE`) of keys a row may not see, and
 /// of padding keys, to `−inf`.
-pub(crate) fn mask<KV>(scores: &mut [f32], at: &TilePosition, j0: usize, call: &Call<'_, f32, KV>) {
+pub(crate) fn mask<KV, Q>(
+    scores: &mut [f32],
+    at: &TilePosition,
+    j0: usize,
+    call: &Call<'_, f32, KV, Q>,
+) {
     for r in 0..at.rows {
         let visible = call.visible_keys(at.b, at.h, at.i0 + r);
         let scores = &mut scores[r * KEY_TILE..][..KEY_TILE];
@@ -377,10 +382,10 @@ impl QueryTile {
     /// Runs the query tile `at` over every key tile in `keys` (whole tiles
     /// but at `len_kv`) it can see, leaving the unnormalised output in `o`,
     /// the row maxima in `max` and the row sums in `sum`.
-    pub(crate) fn attend<K: Kernel, S: TileSource, KV: Float>(
+    pub(crate) fn attend<K: Kernel, S: TileSource, KV: Float, Q: Query>(
         &mut self,
         kernel: K,
-        call: &Call<'_, f32, KV>,
+        call: &Call<'_, f32, KV, Q>,
         at: &TilePosition,
         source: &S,
         keys: Range<usize>,
@@ -451,10 +456,10 @@ impl QueryTile {
     /// applies the scale. `q_max_abs` is then `max|q|·max(|scale|, 1)`,
     /// which bounds the unscaled products the kernel sums as well as the
     /// scaled scores.
-    fn load_queries<K: Kernel, KV>(
+    fn load_queries<K: Kernel, KV, Q: Query>(
         &mut self,
         kernel: K,
-        call: &Call<'_, f32, KV>,
+        call: &Call<'_, f32, KV, Q>,
         at: &TilePosition,
         rows: usize,
         paired: bool,
@@ -475,7 +480,7 @@ impl QueryTile {
                 Some(query) => kernel.scaled_copy(query, packed, scale),
                 None => {
                     for (packed, &x) in packed.iter_mut().zip(&query) {
-                        *packed = x * scale;
+                        *packed = x.to_f32() * scale;
                     }
                 }
             }
@@ -505,10 +510,10 @@ impl QueryTile {
     /// non-finite input, and gets NaN with log-sum-exp `−inf` (see
     /// `mask.rs`).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn write_output<K: Kernel, KV>(
+    pub(crate) fn write_output<K: Kernel, KV, Q>(
         &self,
         kernel: K,
-        call: &Call<'_, f32, KV>,
+        call: &Call<'_, f32, KV, Q>,
         at: &TilePosition,
         keys: Range<usize>,
         out_tile: &mut ArrayViewMut2<'_, f32>,

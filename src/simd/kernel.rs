@@ -207,11 +207,12 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
         })
     }
 
-    /// `dst[i] = src[i]·factor` for the entries of `src` ([`ScaledCopy`]).
+    /// `dst[i] = src[i]·factor` for the entries of `src` ([`ScaledCopy`]),
+    /// widened to `f32` as they are read.
     ///
     /// # Panics
     /// When `dst` is shorter than `src` (a bug in the driver).
-    fn scaled_copy(self, src: &[f32], dst: &mut [f32], factor: f32) {
+    fn scaled_copy<E: Load>(self, src: &[E], dst: &mut [f32], factor: f32) {
         self.run(ScaledCopy {
             src,
             dst,
@@ -250,7 +251,7 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
 
     /// The largest `|x|`, or `+inf` when `x` holds a NaN or an infinity
     /// ([`MaxAbs`]).
-    fn max_abs(self, x: &[f32]) -> f32 {
+    fn max_abs<E: Load>(self, x: &[E]) -> f32 {
         self.run(MaxAbs { x })
     }
 

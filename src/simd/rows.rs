@@ -14,15 +14,16 @@ use super::kernel::KernelOp;
 use super::vector::{Load, Vector};
 
 /// `dst[i] = src[i]·factor`, or `src[i]/factor` with `divide`, for the
-/// `src.len()` entries (`dst` at least as long).
-pub(crate) struct ScaledCopy<'a> {
-    pub src: &'a [f32],
+/// `src.len()` entries (`dst` at least as long), `src` widened to `f32`
+/// (exactly) as it is read.
+pub(crate) struct ScaledCopy<'a, E> {
+    pub src: &'a [E],
     pub dst: &'a mut [f32],
     pub factor: f32,
     pub divide: bool,
 }
 
-impl KernelOp for ScaledCopy<'_> {
+impl<E: Load> KernelOp for ScaledCopy<'_, E> {
     type Output = ();
 
     #[inline(always)]
@@ -47,12 +48,13 @@ impl KernelOp for ScaledCopy<'_> {
         unsafe {
             let f = V::splat(factor);
             for i in (0..whole).step_by(V::LANES) {
-                let x = V::load(src.as_ptr().add(i));
+                let x: V = E::load(src.as_ptr().add(i));
                 let y = if divide { x.div(f) } else { x.mul(f) };
                 y.store(dst.as_mut_ptr().add(i));
             }
         }
         for (y, &x) in dst[whole..].iter_mut().zip(&src[whole..]) {
+            let x = x.to_f32();
             *y = if divide { x / factor } else { x * factor };
         }
     }
@@ -61,11 +63,12 @@ impl KernelOp for ScaledCopy<'_> {
 /// A bound on the magnitudes of `x`: the largest `|x|` (0 for none), or
 /// `+inf` when an entry is NaN or infinite. The drivers use it to tell
 /// when no score can overflow, for which `+inf` is the safe answer.
-pub(crate) struct MaxAbs<'a> {
-    pub x: &'a [f32],
+/// `x` is widened to `f32` (exactly) as it is read.
+pub(crate) struct MaxAbs<'a, E> {
+    pub x: &'a [E],
 }
 
-impl KernelOp for MaxAbs<'_> {
+impl<E: Load> KernelOp for MaxAbs<'_, E> {
     type Output = f32;
 
     #[inline(always)]
@@ -84,9 +87,9 @@ impl KernelOp for MaxAbs<'_> {
         unsafe {
             let mut bound = MagnitudeBound::<V>::new();
             for i in (0..whole).step_by(V::LANES) {
-                bound.add(V::load(x.as_ptr().add(i)));
+                bound.add(E::load(x.as_ptr().add(i)));
             }
-            x[whole..].iter().for_each(|&x| bound.add_one(x));
+            x[whole..].iter().for_each(|&x| bound.add_one(x.to_f32()));
             bound.finish()
         }
     }
@@ -287,8 +290,44 @@ mod tests {
             // `b` longer than `a`: only `a.len()` products.
             assert_eq!(kernel.dot(&[2.0; 19], &[1.0; 40]), 38.0);
             assert!(kernel.dot(&[1.0, f32::NAN], &[1.0, 0.0]).is_nan());
-            assert_eq!(kernel.max_abs(&[]), 0.0);
+            assert_eq!(kernel.max_abs::<f32>(&[]), 0.0);
             assert_eq!(kernel.max_abs(&[-0.0; 40]).to_bits(), 0);
+            #[cfg(feature = "half")]
+            {
+                halves::<K, half::bf16>(kernel, &data);
+                halves::<K, half::f16>(kernel, &data);
+            }
+        }
+    }
+
+    /// The passes that read half-precision queries: widened exactly, then
+    /// as the `f32` passes, for every length and start.
+    #[cfg(feature = "half")]
+    fn halves<K: Kernel, H: crate::simd::Load + num_traits::Float>(kernel: K, data: &[f32]) {
+        use crate::simd::Load;
+        let data: Vec<H> = data.iter().map(|&x| H::from(x).unwrap()).collect();
+        let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for start in 0..16 {
+            for len in 0..=(data.len() - start) {
+                let x = &data[start..start + len];
+                let wide: Vec<f32> = x.iter().map(|&x| Load::to_f32(x)).collect();
+                let mut dst = vec![7.0; len + 1];
+                kernel.scaled_copy(x, &mut dst, 0.125_3);
+                let expected: Vec<f32> = wide.iter().map(|&x| x * 0.125_3).collect();
+                assert_eq!(bits(&dst[..len]), bits(&expected), "{}: scaled", K::SET);
+                assert_eq!(dst[len], 7.0, "{}: wrote past the end", K::SET);
+                assert_eq!(
+                    kernel.max_abs(x),
+                    kernel.max_abs(&wide),
+                    "{}: max_abs",
+                    K::SET
+                );
+                for at in 0..len.min(3) {
+                    let mut x = x.to_vec();
+                    x[at] = H::nan();
+                    assert_eq!(kernel.max_abs(&x), f32::INFINITY, "{}: NaN bound", K::SET);
+                }
+            }
         }
     }
 

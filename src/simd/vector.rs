@@ -208,6 +208,9 @@ pub(crate) trait Load: Copy + Send + Sync + 'static {
     /// The CPU has `V`'s instruction set; `V::LANES` elements are readable
     /// at `ptr`.
     unsafe fn load<V: Vector>(ptr: *const Self) -> V;
+
+    /// This element as `f32` (exactly), one at a time.
+    fn to_f32(self) -> f32;
 }
 
 impl Load for f32 {
@@ -215,6 +218,11 @@ impl Load for f32 {
     unsafe fn load<V: Vector>(ptr: *const f32) -> V {
         // SAFETY: the caller's guarantees are `V::load`'s.
         unsafe { V::load(ptr) }
+    }
+
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
     }
 }
 
@@ -226,6 +234,11 @@ impl Load for half::bf16 {
         // its 16 bits.
         unsafe { V::load_bf16(ptr.cast()) }
     }
+
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
 }
 
 #[cfg(feature = "half")]
@@ -235,5 +248,10 @@ impl Load for half::f16 {
         // SAFETY: the caller's guarantees are `V::load_f16`'s; an `f16` is
         // its 16 bits.
         unsafe { V::load_f16(ptr.cast()) }
+    }
+
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
     }
 }

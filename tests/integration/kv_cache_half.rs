@@ -561,3 +561,37 @@ fn f32_layer_decodes_with_a_bf16_cache() {
 fn f32_layer_decodes_with_an_f16_cache() {
     layer_decodes_with_a_half_cache::<f16>("f16");
 }
+
+/// A cache attended with `f32` queries (`attend_compute`, a layer's path)
+/// never rounds them, on any kernel set, prefill (many queries) or step:
+/// here the winning key is decided by a query bit below `bf16`'s
+/// precision. Query `(1 + 2⁻⁹, 1, 0, …)` against keys `2¹⁶·e₀` and
+/// `2¹⁶·e₁`: exact scores differ by 2¹⁶·2⁻⁹/8 = 16 after the scale, so the
+/// first key takes all but e⁻¹⁶ of the weight; a query rounded or cut to
+/// `bf16` (1 + 2⁻⁹ is not one) would tie them.
+#[test]
+fn f32_queries_are_not_rounded_to_a_bf16_cache() {
+    let d = 64;
+    for n in [16, 2] {
+        let mut q = Array4::<f32>::zeros((1, 2, n, d));
+        q.slice_mut(s![.., .., .., 0]).fill(1.0 + 2f32.powi(-9));
+        q.slice_mut(s![.., .., .., 1]).fill(1.0);
+        let mut k = Array4::<f32>::zeros((1, 1, n, d));
+        k[[0, 0, 0, 0]] = 65536.0;
+        k[[0, 0, 1, 1]] = 65536.0;
+        let mut v = Array4::<f32>::zeros((1, 1, n, d));
+        v.slice_mut(s![.., .., 0, ..]).fill(1.0);
+        v.slice_mut(s![.., .., 1, ..]).fill(-1.0);
+        for set in available_kernel_sets() {
+            let out = with_kernel_set(set, || {
+                let mut cache = KvCache::<bf16>::new(1, 1, d, d, n).unwrap();
+                cache.attend_compute(q.view(), k.view(), v.view()).unwrap()
+            })
+            .unwrap();
+            // Every row sees key 0; from row 1 on also key 1 (causal).
+            for x in out.iter() {
+                assert!((x - 1.0).abs() < 1e-5, "{} n {n}: {x}", set.name());
+            }
+        }
+    }
+}
