@@ -248,7 +248,8 @@ pub(crate) mod sealed {
         /// type reads the keys and values as they are where its kernels can
         /// (a decoding step widens them tile by tile as it reads them, and
         /// `bf16`'s prefill packs them as `bf16` pairs on AVX-512 BF16 or
-        /// AMX), else widens them whole for the `f32` path.
+        /// AMX for `bf16` queries), else widens them as the `f32` path's
+        /// prefill packs them.
         fn forward_stored(
             call: &Call<'_, <Self as Storage>::Compute, Self>,
             out: ArrayViewMut4<'_, <Self as Storage>::Compute>,
@@ -506,7 +507,7 @@ pub(crate) mod sealed {
         half::f16,
         widen: |x: &[half::f16], y: &mut [f32]| x.convert_to_f32_slice(y),
         narrow: |x: &[f32], y: &mut [half::f16]| y.convert_from_f32_slice(x),
-        forward: crate::fused::forward_stored
+        forward: crate::fused::forward
     );
 
     /// The two conversions of a half-precision type that its calls make

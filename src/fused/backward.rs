@@ -177,8 +177,8 @@ fn head_gradients<K: Kernel>(
         rows,
         tiles: scratch,
     } = buffers;
-    keys_first.pack(kernel, k_head, v_head);
-    values_first.pack(kernel, v_head, k_head);
+    keys_first.pack(kernel, k_head, v_head)?;
+    values_first.pack(kernel, v_head, k_head)?;
     let k_width = d_k.div_ceil(K::LANES) * K::LANES;
     let v_width = d_v.div_ceil(K::LANES) * K::LANES;
     let padded_keys = len_kv.div_ceil(KEY_TILE) * KEY_TILE;

@@ -18,13 +18,13 @@ use crate::parallel::{map_with, split_into_chunks};
 use crate::simd::{Kernel, Load, WithKernel};
 
 /// One forward call, waiting for its kernel.
-pub(super) struct Forward<'c, 'a, Q> {
-    pub(super) call: &'c Call<'a, f32, f32, Q>,
+pub(super) struct Forward<'c, 'a, KV, Q> {
+    pub(super) call: &'c Call<'a, f32, KV, Q>,
     pub(super) out: ArrayViewMut4<'c, f32>,
     pub(super) log_sum_exp: Option<ArrayViewMut3<'c, f32>>,
 }
 
-impl<Q: Query> WithKernel for Forward<'_, '_, Q> {
+impl<KV: Load + Float, Q: Query> WithKernel for Forward<'_, '_, KV, Q> {
     type Output = Result<(), AttentionError>;
 
     fn run<K: Kernel>(self, kernel: K) -> Self::Output {
@@ -67,15 +67,17 @@ pub(super) fn forward_or_decode<'c, 'o, K: Kernel, KV: Load + Float, Q: Query>(
     }
 }
 
-/// One job per `(batch, kv_head)`: pack its keys and values once, then run
-/// every query tile of every head that shares them. Jobs and tiles run in
-/// parallel; each tile writes its own rows of `out` (and of `log_sum_exp`).
+/// One job per `(batch, kv_head)`: pack its keys and values once (widened
+/// to `f32` as they are packed, when they are stored in half precision),
+/// then run every query tile of every head that shares them. Jobs and
+/// tiles run in parallel; each tile writes its own rows of `out` (and of
+/// `log_sum_exp`).
 ///
 /// # Errors
 /// When a packing or tile buffer cannot be allocated.
-fn prefill<K: Kernel, Q: Query>(
+pub(super) fn prefill<K: Kernel, KV: Load + Float, Q: Query>(
     kernel: K,
-    call: &Call<'_, f32, f32, Q>,
+    call: &Call<'_, f32, KV, Q>,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
@@ -90,7 +92,7 @@ fn prefill<K: Kernel, Q: Query>(
             // Fresh per job: reusing one per rayon piece (as the backward
             // does) measured 3–4% slower at N = 256, one thread.
             let mut packed = PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v)?;
-            packed.pack(kernel, head(&call.k, b, kv_h), head(&call.v, b, kv_h));
+            packed.pack(kernel, head(&call.k, b, kv_h), head(&call.v, b, kv_h))?;
             Ok(PackedKeys {
                 packed,
                 d_k: shape.d_k,

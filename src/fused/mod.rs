@@ -103,13 +103,18 @@ pub(crate) const DECODE_MAX_QUERIES: usize = 8;
 pub(crate) const DECODE_CHUNK: usize = 1024;
 
 /// Attention on the fused path: `out` (the output's shape) and, when given,
-/// each row's log-sum-exp.
+/// each row's log-sum-exp. Keys and values are stored in `KV` (`f32`, or a
+/// half call's or half `KvCache`'s `bf16`/`f16`) and queries in `Q`: a
+/// decoding step reads half rows in place, widening each vector as it
+/// loads it (half the bytes of an `f32` cache's step); a prefill widens
+/// them as it packs them, a key tile at a time, and the queries a query
+/// tile at a time.
 ///
 /// # Errors
 /// When the kernel set forced for this call cannot run on this CPU, or a
 /// working buffer cannot be allocated.
-pub(crate) fn forward<Q: Query>(
-    call: &Call<'_, f32, f32, Q>,
+pub(crate) fn forward<KV: simd::Load + num_traits::Float, Q: Query>(
+    call: &Call<'_, f32, KV, Q>,
     out: ArrayViewMut4<'_, f32>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
@@ -127,8 +132,8 @@ pub(crate) fn forward<Q: Query>(
 /// [`simd::bf16_dot_runs_on`] says so for the kernel set chosen (by the
 /// CPU, `SDPA_KERNEL` or [`simd::with_kernel_set`]), the prefill packs
 /// them as `bf16` pairs for AMX tiles or `vdpbf16ps` (`pairs.rs`) when the
-/// queries are `bf16` too; else it is [`forward_stored`]. Decoding steps
-/// run the decode driver on the `bf16` rows either way.
+/// queries are `bf16` too; else it is [`forward`]. Decoding steps run the
+/// decode driver on the `bf16` rows either way.
 ///
 /// # Errors
 /// As [`forward`].
@@ -149,7 +154,7 @@ pub(crate) fn forward_bf16<Q: Query>(
             };
             simd::with_kernel(set, job)?
         }
-        None => forward_stored(call, out, log_sum_exp),
+        None => forward(call, out, log_sum_exp),
     }
 }
 
@@ -164,72 +169,4 @@ pub(crate) fn backward(
 ) -> Result<(), AttentionError> {
     let job = backward::Backward { call, gradients };
     simd::with_kernel(simd::current_kernel_set()?, job)?
-}
-
-/// Attention over keys and values stored in half precision `H` (a half
-/// call's or a half-precision `KvCache`'s), `q` in `H` or `f32` (widened a
-/// query tile at a time), `out` and the log-sum-exp in `f32`.
-///
-/// A decoding step the kernels can read in place (few queries, head dims
-/// whole vectors of the kernel set, rows contiguous) runs the decode
-/// driver on the half-precision rows, which its kernels widen as they load
-/// them: it reads half the bytes an `f32` cache's step reads. Anything
-/// else (a prefill, odd head dims) widens `k` and `v` whole and runs the
-/// `f32` path, which packs them anyway.
-///
-/// # Errors
-/// As [`forward`], and when the widened copies cannot be allocated.
-#[cfg(feature = "half")]
-pub(crate) fn forward_stored<H, Q: Query>(
-    call: &Call<'_, f32, H, Q>,
-    out: ArrayViewMut4<'_, f32>,
-    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
-) -> Result<(), AttentionError>
-where
-    H: simd::Load + crate::element::Storage<Compute = f32> + num_traits::Float,
-{
-    /// The call on the kernel set, widened where it is not a decoding step.
-    struct Stored<'c, 'a, 'o, H, Q> {
-        call: &'c Call<'a, f32, H, Q>,
-        out: ArrayViewMut4<'o, f32>,
-        log_sum_exp: Option<ArrayViewMut3<'o, f32>>,
-    }
-    impl<H, Q: Query> simd::WithKernel for Stored<'_, '_, '_, H, Q>
-    where
-        H: simd::Load + crate::element::Storage<Compute = f32> + num_traits::Float,
-    {
-        type Output = Result<(), AttentionError>;
-        fn run<K: simd::Kernel>(self, kernel: K) -> Self::Output {
-            let prefill = |_, call: &Call<'_, f32, H, Q>, out, lse| forward_widened(call, out, lse);
-            forward::forward_or_decode(kernel, self.call, self.out, self.log_sum_exp, prefill)
-        }
-    }
-
-    let job = Stored {
-        call,
-        out,
-        log_sum_exp,
-    };
-    simd::with_kernel(simd::current_kernel_set()?, job)?
-}
-
-/// A call with keys and values stored in half precision `H` on the `f32`
-/// path: `k` and `v` widened whole first (the queries are widened a tile
-/// at a time, as always).
-///
-/// # Errors
-/// As [`forward`], and when the widened copies cannot be allocated.
-#[cfg(feature = "half")]
-fn forward_widened<H, Q: Query>(
-    call: &Call<'_, f32, H, Q>,
-    out: ArrayViewMut4<'_, f32>,
-    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
-) -> Result<(), AttentionError>
-where
-    H: crate::element::Storage<Compute = f32>,
-{
-    let (k, v) = (H::to_compute(call.k.view())?, H::to_compute(call.v.view())?);
-    let (k, v) = (k.view(), v.view());
-    let widened = crate::call::check(&call.q, &k, &v, &call.opts)?;
-    forward(&widened, out, log_sum_exp)
 }

@@ -13,7 +13,7 @@ use super::{KEY_TILE, QUERY_TILE};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{AttentionShape, BackwardCall, head};
 use crate::error::AttentionError;
-use crate::simd::Kernel;
+use crate::simd::{Kernel, Load};
 
 /// Two matrices over the same `len_kv` keys, packed for the kernels and
 /// padded to whole key tiles: `panels` for the `scores` kernel (S = Q·Kᵀ
@@ -64,33 +64,50 @@ impl PackedHead {
 
     /// Packs `for_panels` `[len_kv, panel_width]` and `for_rows`
     /// `[len_kv, row_width]`, and writes zeros to the padding (the buffers
-    /// may hold anything before).
-    pub(crate) fn pack<K: Kernel>(
+    /// may hold anything before). Elements in half precision (a half
+    /// call's keys and values) are widened to `f32` on the way, a key tile
+    /// at a time, never as a whole copy.
+    ///
+    /// # Errors
+    /// When the buffer a key tile is widened in cannot be allocated.
+    pub(crate) fn pack<K: Kernel, E: Load>(
         &mut self,
         kernel: K,
-        for_panels: ArrayView2<'_, f32>,
-        for_rows: ArrayView2<'_, f32>,
-    ) {
+        for_panels: ArrayView2<'_, E>,
+        for_rows: ArrayView2<'_, E>,
+    ) -> Result<(), AttentionError> {
         // Padding included, and the bound of the keys in the same pass.
-        self.panels_max_abs = kernel.pack_panels(for_panels, &mut self.panels);
+        self.panels_max_abs = match E::as_f32(for_panels) {
+            Some(keys) => kernel.pack_panels(keys, &mut self.panels),
+            None => self.pack_widened_panels(kernel, for_panels)?,
+        };
         let len_kv = for_panels.nrows();
         if self.row_width == 0 {
             self.tile_has_nonfinite_rows.fill(false);
-            return; // `d_v = 0`: a forward for the log-sum-exp alone.
+            return Ok(()); // `d_v = 0`: a forward for the log-sum-exp alone.
         }
-        for (row, packed) in for_rows
-            .rows()
-            .into_iter()
-            .zip(self.rows.chunks_exact_mut(self.row_width))
-        {
-            match row.as_slice() {
-                Some(row) => packed[..row.len()].copy_from_slice(row),
-                None => packed
-                    .iter_mut()
-                    .zip(row.iter())
-                    .for_each(|(packed, &x)| *packed = x),
+        let packed_rows = self.rows.chunks_exact_mut(self.row_width);
+        match E::as_f32(for_rows) {
+            Some(rows) => {
+                for (row, packed) in rows.rows().into_iter().zip(packed_rows) {
+                    match row.as_slice() {
+                        Some(row) => packed[..row.len()].copy_from_slice(row),
+                        None => (packed.iter_mut().zip(row.iter())).for_each(|(p, &x)| *p = x),
+                    }
+                    packed[row.len()..].fill(0.0);
+                }
             }
-            packed[row.len()..].fill(0.0);
+            None => {
+                for (row, packed) in for_rows.rows().into_iter().zip(packed_rows) {
+                    match row.as_slice() {
+                        Some(row) => kernel.scaled_copy(row, packed, 1.0),
+                        None => {
+                            (packed.iter_mut().zip(row.iter())).for_each(|(p, &x)| *p = x.to_f32())
+                        }
+                    }
+                    packed[row.len()..].fill(0.0);
+                }
+            }
         }
         self.rows[len_kv * self.row_width..].fill(0.0);
         for (nonfinite, tile) in self
@@ -100,6 +117,40 @@ impl PackedHead {
         {
             *nonfinite = !kernel.all_finite(tile);
         }
+        Ok(())
+    }
+
+    /// [`Kernel::pack_panels`] for keys stored in half precision: each key
+    /// tile widened into a buffer that stays in L1, then packed from there
+    /// into its panels. Returns the bound of all of them.
+    fn pack_widened_panels<K: Kernel, E: Load>(
+        &mut self,
+        kernel: K,
+        keys: ArrayView2<'_, E>,
+    ) -> Result<f32, AttentionError> {
+        let (len_kv, width) = keys.dim();
+        if width == 0 {
+            return Ok(0.0);
+        }
+        let mut wide = Scratch::for_writing("a widened key tile", KEY_TILE * width)?;
+        let mut bound = 0.0f32;
+        for (t, panels) in self.panels.chunks_exact_mut(KEY_TILE * width).enumerate() {
+            let rows = (t * KEY_TILE..((t + 1) * KEY_TILE).min(len_kv)).len();
+            for (i, wide_row) in wide.chunks_exact_mut(width).take(rows).enumerate() {
+                let row = keys.row(t * KEY_TILE + i);
+                match row.as_slice() {
+                    Some(row) => kernel.scaled_copy(row, wide_row, 1.0),
+                    None => {
+                        (wide_row.iter_mut().zip(row.iter())).for_each(|(w, &x)| *w = x.to_f32())
+                    }
+                }
+            }
+            let tile =
+                ArrayView2::from_shape((rows, width), &wide[..rows * width]).expect("whole rows");
+            // NaN or an infinity makes a tile's bound `+inf`, and the max.
+            bound = bound.max(kernel.pack_panels(tile, panels));
+        }
+        Ok(bound)
     }
 
     /// The rows of the key tile starting at `j0`, `[KEY_TILE, row_width]`.
@@ -258,5 +309,78 @@ fn copy_scaled<K: Kernel>(kernel: K, to: &mut [f32], from: ArrayView1<'_, f32>, 
             .iter_mut()
             .zip(from.iter())
             .for_each(|(t, &x)| *t = factor * x),
+    }
+}
+
+#[cfg(all(test, feature = "half"))]
+mod tests {
+    use half::{bf16, f16};
+    use ndarray::{Array2, ArrayView2, s};
+
+    use super::PackedHead;
+    use crate::simd::{Kernel, Load, WithKernel, available_kernel_sets, with_kernel};
+
+    /// Half keys and values packed as they are give the bits of the same
+    /// numbers widened first, with the same bound and non-finite tiles:
+    /// lengths around the key tile, odd widths, strided and reversed rows,
+    /// NaN and infinities.
+    struct HalvesAsWidened;
+
+    impl WithKernel for HalvesAsWidened {
+        type Output = ();
+
+        fn run<K: Kernel>(self, kernel: K) {
+            check::<K, bf16>(kernel);
+            check::<K, f16>(kernel);
+        }
+    }
+
+    fn check<K: Kernel, H: Load + num_traits::Float>(kernel: K) {
+        let pack = |keys: ArrayView2<'_, H>, values: ArrayView2<'_, H>| {
+            let wide = |x: ArrayView2<'_, H>| x.mapv(|x| Load::to_f32(x));
+            let (len, d_k, d_v) = (keys.nrows(), keys.ncols(), values.ncols());
+            let mut half = PackedHead::new::<K>(len, d_k, d_v).unwrap();
+            half.pack(kernel, keys, values).unwrap();
+            let mut f32s = PackedHead::new::<K>(len, d_k, d_v).unwrap();
+            f32s.pack(kernel, wide(keys).view(), wide(values).view())
+                .unwrap();
+            let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let what = format!("{} {len}×{d_k}/{d_v}", K::SET);
+            assert_eq!(bits(&half.panels), bits(&f32s.panels), "{what}: panels");
+            assert_eq!(bits(&half.rows), bits(&f32s.rows), "{what}: rows");
+            assert_eq!(
+                half.panels_max_abs.to_bits(),
+                f32s.panels_max_abs.to_bits(),
+                "{what}"
+            );
+            assert_eq!(
+                half.tile_has_nonfinite_rows, f32s.tile_has_nonfinite_rows,
+                "{what}"
+            );
+        };
+        for len in [0, 1, 63, 64, 65, 200] {
+            for (d_k, d_v) in [(1, 1), (17, 33), (64, 16)] {
+                let number = |i: usize, j: usize| {
+                    H::from(((i * 31 + j * 7) % 23) as f32 * 0.37 - 4.0).unwrap()
+                };
+                let keys = Array2::from_shape_fn((len, 2 * d_k), |(i, j)| number(i, j));
+                let values = Array2::from_shape_fn((len, d_v), |(i, j)| number(j, i));
+                pack(keys.slice(s![.., ..d_k]), values.view());
+                pack(keys.slice(s![..;-1, ..;2]), values.slice(s![..;-1, ..]));
+                if len > 0 {
+                    let (mut keys, mut values) = (keys.clone(), values.clone());
+                    keys[[len / 2, 0]] = H::nan();
+                    values[[len - 1, d_v - 1]] = H::infinity();
+                    pack(keys.slice(s![.., ..d_k]), values.view());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn half_keys_and_values_pack_as_their_widened_copies() {
+        for set in available_kernel_sets() {
+            with_kernel(set, HalvesAsWidened).unwrap();
+        }
     }
 }

@@ -20,10 +20,10 @@
 use half::bf16;
 use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4};
 
-use super::forward::{forward_or_decode, prefill_with};
+use super::forward::{self, forward_or_decode, prefill_with};
 use super::scratch::Scratch;
 use super::tile::{TileQueries, TileSource};
-use super::{KEY_TILE, Query, forward_query_tile, forward_widened};
+use super::{KEY_TILE, Query, forward_query_tile};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
@@ -57,7 +57,8 @@ impl<Q: Query> WithKernel for Bf16Forward<'_, '_, Q> {
     /// The pairs prefill, unless the call is empty or a decoding step
     /// (their own paths), or its unscaled products could overflow `f32`
     /// where the `f32` path's scaled ones would not: that path decides
-    /// what an overflow gives, so such calls are widened to it.
+    /// what an overflow gives, so such calls take its prefill (which widens
+    /// the keys and values as it packs them).
     fn run<K: Kernel>(self, kernel: K) -> Self::Output {
         let Bf16Forward {
             call,
@@ -68,7 +69,7 @@ impl<Q: Query> WithKernel for Bf16Forward<'_, '_, Q> {
         forward_or_decode(kernel, call, out, log_sum_exp, |kernel, call, out, lse| {
             let magnitudes = key_magnitudes(call)?;
             if K::LANES != LANES || products_may_overflow(kernel, call, &magnitudes) {
-                return forward_widened(call, out, lse);
+                return forward::prefill(kernel, call, out, lse);
             }
             prefill(kernel, kernels, call, &magnitudes, out, lse)
         })

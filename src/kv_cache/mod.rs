@@ -98,7 +98,9 @@ use check::{KEYS, VALUES, check_dims, zeroed_buffer};
 /// into a scratch tile the `f32` kernels read (the cache is never widened
 /// whole), when the head dims are whole vectors of the kernel set (a
 /// multiple of 16 covers them all); other shapes, and prompts of more than
-/// 8 queries, widen the keys and values whole and take the `f32` path.
+/// 8 queries, take the `f32` path's prefill, which widens the keys and
+/// values as it packs them, a key tile at a time (or, for a bf16 cache
+/// attended with bf16 queries, packs them as bf16 pairs).
 ///
 /// The cache holds `batch` sequences decoded in lockstep: every step
 /// appends the same number of positions to each. Sequences of different

@@ -211,6 +211,10 @@ pub(crate) trait Load: Copy + Send + Sync + 'static {
 
     /// This element as `f32` (exactly), one at a time.
     fn to_f32(self) -> f32;
+
+    /// `x` itself when the elements are `f32` already, so that packing
+    /// copies them as they are; `None` for the types it widens.
+    fn as_f32<'a>(x: ndarray::ArrayView2<'a, Self>) -> Option<ndarray::ArrayView2<'a, f32>>;
 }
 
 impl Load for f32 {
@@ -223,6 +227,10 @@ impl Load for f32 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
+    }
+
+    fn as_f32<'a>(x: ndarray::ArrayView2<'a, f32>) -> Option<ndarray::ArrayView2<'a, f32>> {
+        Some(x)
     }
 }
 
@@ -239,6 +247,10 @@ impl Load for half::bf16 {
     fn to_f32(self) -> f32 {
         half::bf16::to_f32(self)
     }
+
+    fn as_f32<'a>(_: ndarray::ArrayView2<'a, Self>) -> Option<ndarray::ArrayView2<'a, f32>> {
+        None
+    }
 }
 
 #[cfg(feature = "half")]
@@ -253,5 +265,9 @@ impl Load for half::f16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         half::f16::to_f32(self)
+    }
+
+    fn as_f32<'a>(_: ndarray::ArrayView2<'a, Self>) -> Option<ndarray::ArrayView2<'a, f32>> {
+        None
     }
 }
