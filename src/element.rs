@@ -258,12 +258,13 @@ pub(crate) mod sealed {
         where
             Self: Storage;
 
-        /// [`forward_stored`](Self::forward_stored) with the queries in this
-        /// type too (a functional call's): a half type's are widened a
-        /// query tile at a time, never whole.
+        /// [`forward_stored`](Self::forward_stored) with the queries and the
+        /// output in this type too (a functional call's): a half type's
+        /// queries are widened a query tile at a time and its output rows
+        /// rounded as they are finished, never through whole `f32` copies.
         fn forward_all_stored(
             call: &Call<'_, <Self as Storage>::Compute, Self, Self>,
-            out: ArrayViewMut4<'_, <Self as Storage>::Compute>,
+            out: ArrayViewMut4<'_, Self>,
             log_sum_exp: Option<ArrayViewMut3<'_, <Self as Storage>::Compute>>,
         ) -> Result<(), AttentionError>
         where
@@ -480,7 +481,7 @@ pub(crate) mod sealed {
 
                 fn forward_all_stored(
                     call: &Call<'_, f32, $t, $t>,
-                    out: ArrayViewMut4<'_, f32>,
+                    out: ArrayViewMut4<'_, $t>,
                     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
                 ) -> Result<(), AttentionError> {
                     $forward(call, out, log_sum_exp)
@@ -782,9 +783,10 @@ mod tests {
         );
     }
 
-    /// A half call computes into an `f32` buffer from this thread's spares
-    /// without filling it first (`through_compute`), and its working
-    /// buffers are taken for writing too: with every spare holding NaN,
+    /// A half `KvCache` computes into an `f32` buffer from this thread's
+    /// spares without filling it first (`through_compute`), and every
+    /// forward's working buffers are taken for writing too: with every
+    /// spare holding NaN,
     /// finite inputs must still give finite outputs, on every forward path
     /// (prefill, `bf16` pairs, decoding steps, rows that see no key, empty
     /// sequences, a log-sum-exp asked for).
@@ -838,6 +840,18 @@ mod tests {
                 crate::scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), &opts)
                     .expect("the partial runs");
             assert!(partial.output().iter().all(|x| x.is_finite()), "{shape:?}");
+            // A half cache's attention computes into an unfilled `f32`
+            // buffer and rounds it into the output (`through_compute`).
+            if batch == 2 && !causal {
+                let mut cache = crate::KvCache::<H>::new(batch, kv_heads, d_k, d_v, 0).unwrap();
+                poison();
+                let (k, v) = (
+                    k.slice(s![.., .., ..len_q, ..]),
+                    v.slice(s![.., .., ..len_q, ..]),
+                );
+                let out = cache.attend(q.view(), k, v).expect("the cache attends");
+                assert!(out.iter().all(|x| x.is_finite()), "{shape:?} cache");
+            }
         }
         // Prefills with odd dims, the bf16 pairs' shapes (d_k 64), decoding
         // steps (one and four query rows), GQA.

@@ -100,13 +100,11 @@ pub fn scaled_dot_product_attention<F: Storage>(
     v: ArrayView4<'_, F>,
     opts: &AttentionOptions<'_, F::Compute>,
 ) -> Result<Array4<F>, AttentionError> {
-    // The queries stay in `F` too: a half call widens them a query tile at
-    // a time.
+    // The queries and the output stay in `F` too: a half call widens the
+    // queries a query tile at a time and rounds each output row once.
     let call = call::check(&q, &k, &v, opts)?;
     let mut out = alloc::try_zeros("the output", call.shape.output_dim())?;
-    F::write_compute(out.view_mut(), |out| {
-        F::forward_all_stored(&call, out, None)
-    })?;
+    F::forward_all_stored(&call, out.view_mut(), None)?;
     Ok(out)
 }
 
@@ -138,7 +136,7 @@ pub fn scaled_dot_product_attention_into<F: Storage>(
 ) -> Result<(), AttentionError> {
     let call = call::check(&q, &k, &v, opts)?;
     call::check_output(&call.shape, out.shape())?;
-    F::write_compute(out, |out| F::forward_all_stored(&call, out, None))
+    F::forward_all_stored(&call, out, None)
 }
 
 /// Attention over the keys and values given, as a mergeable
@@ -181,9 +179,7 @@ pub fn scaled_dot_product_attention_partial<F: Storage>(
     let call = call::check(&q, &k, &v, opts)?;
     let mut partial = AttentionPartial::<F>::zeros(call.shape.output_dim())?;
     let (output, log_sum_exp) = partial.parts_mut();
-    F::write_compute(output, |output| {
-        F::forward_all_stored(&call, output, Some(log_sum_exp))
-    })?;
+    F::forward_all_stored(&call, output, Some(log_sum_exp))?;
     Ok(partial)
 }
 

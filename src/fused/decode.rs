@@ -7,7 +7,7 @@
 use ndarray::{Array1, Array2, ArrayView2, ArrayView4, ArrayViewMut3, ArrayViewMut4, Axis, s};
 
 use super::tile::{KeySource, QueryTile, TilePosition};
-use super::{DECODE_CHUNK, DECODE_MAX_QUERIES, KEY_TILE, Query};
+use super::{DECODE_CHUNK, DECODE_MAX_QUERIES, KEY_TILE, Output, Query};
 use crate::alloc::{element_count, try_with_capacity, try_zeros};
 use crate::call::{Call, head, head_mut};
 use crate::error::AttentionError;
@@ -39,10 +39,10 @@ pub(super) fn reads_keys_in_place<K: Kernel, KV, Q>(call: &Call<'_, f32, KV, Q>)
 ///
 /// # Errors
 /// When a tile or partial-result buffer cannot be allocated.
-pub(super) fn decode<K: Kernel, KV: Load + Float, Q: Query>(
+pub(super) fn decode<K: Kernel, KV: Load + Float, Q: Query, O: Output>(
     kernel: K,
     call: &Call<'_, f32, KV, Q>,
-    mut out: ArrayViewMut4<'_, f32>,
+    mut out: ArrayViewMut4<'_, O>,
     mut log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     let shape = call.shape;
@@ -109,7 +109,9 @@ pub(super) fn decode<K: Kernel, KV: Load + Float, Q: Query>(
                     apply_sink(row, lse, sink);
                 }
             }
-            head_mut(&mut out, b, h).assign(&merged);
+            ndarray::Zip::from(head_mut(&mut out, b, h))
+                .and(&merged)
+                .for_each(|out, &x| *out = O::from_f32(x));
             if let Some(log_sum_exp) = log_sum_exp.as_mut() {
                 log_sum_exp
                     .index_axis_mut(Axis(0), b)

@@ -11,20 +11,20 @@ use num_traits::Float;
 use super::decode;
 use super::pack::PackedHead;
 use super::tile::{KeySource, QueryTile, TilePosition, TileSource};
-use super::{KEY_TILE, Query, forward_query_tile};
+use super::{KEY_TILE, Output, Query, forward_query_tile};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
 use crate::parallel::{map_with, split_into_chunks};
 use crate::simd::{Kernel, Load, WithKernel};
 
 /// One forward call, waiting for its kernel.
-pub(super) struct Forward<'c, 'a, KV, Q> {
+pub(super) struct Forward<'c, 'a, KV, Q, O> {
     pub(super) call: &'c Call<'a, f32, KV, Q>,
-    pub(super) out: ArrayViewMut4<'c, f32>,
+    pub(super) out: ArrayViewMut4<'c, O>,
     pub(super) log_sum_exp: Option<ArrayViewMut3<'c, f32>>,
 }
 
-impl<KV: Load + Float, Q: Query> WithKernel for Forward<'_, '_, KV, Q> {
+impl<KV: Load + Float, Q: Query, O: Output> WithKernel for Forward<'_, '_, KV, Q, O> {
     type Output = Result<(), AttentionError>;
 
     fn run<K: Kernel>(self, kernel: K) -> Self::Output {
@@ -43,15 +43,15 @@ impl<KV: Load + Float, Q: Query> WithKernel for Forward<'_, '_, KV, Q> {
 ///
 /// # Errors
 /// As `prefill`, and when a decoding buffer cannot be allocated.
-pub(super) fn forward_or_decode<'c, 'o, K: Kernel, KV: Load + Float, Q: Query>(
+pub(super) fn forward_or_decode<'c, 'o, K: Kernel, KV: Load + Float, Q: Query, O: Output>(
     kernel: K,
     call: &Call<'c, f32, KV, Q>,
-    out: ArrayViewMut4<'o, f32>,
+    out: ArrayViewMut4<'o, O>,
     log_sum_exp: Option<ArrayViewMut3<'o, f32>>,
     prefill: impl FnOnce(
         K,
         &Call<'c, f32, KV, Q>,
-        ArrayViewMut4<'o, f32>,
+        ArrayViewMut4<'o, O>,
         Option<ArrayViewMut3<'o, f32>>,
     ) -> Result<(), AttentionError>,
 ) -> Result<(), AttentionError> {
@@ -75,10 +75,10 @@ pub(super) fn forward_or_decode<'c, 'o, K: Kernel, KV: Load + Float, Q: Query>(
 ///
 /// # Errors
 /// When a packing or tile buffer cannot be allocated.
-pub(super) fn prefill<K: Kernel, KV: Load + Float, Q: Query>(
+pub(super) fn prefill<K: Kernel, KV: Load + Float, Q: Query, O: Output>(
     kernel: K,
     call: &Call<'_, f32, KV, Q>,
-    out: ArrayViewMut4<'_, f32>,
+    out: ArrayViewMut4<'_, O>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     let shape = call.shape;
@@ -108,11 +108,17 @@ pub(super) fn prefill<K: Kernel, KV: Load + Float, Q: Query>(
 ///
 /// # Errors
 /// When `pack` or a tile buffer fails.
-pub(super) fn prefill_with<K: Kernel, S: TileSource + Sync, KV: Float + Sync, Q: Query>(
+pub(super) fn prefill_with<
+    K: Kernel,
+    S: TileSource + Sync,
+    KV: Float + Sync,
+    Q: Query,
+    O: Output,
+>(
     kernel: K,
     call: &Call<'_, f32, KV, Q>,
     query_tile: usize,
-    out: ArrayViewMut4<'_, f32>,
+    out: ArrayViewMut4<'_, O>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
     pack: impl Fn(usize, usize) -> Result<S, AttentionError> + Sync,
 ) -> Result<(), AttentionError> {
@@ -220,9 +226,9 @@ impl KeySource for PackedKeys {
 
 /// The `[batch·heads]` views `x[b, h]` of a `[batch, heads, …]` view, in
 /// order, each free to go to another thread.
-pub(super) fn heads_of<'a, D>(
-    x: ArrayViewMut<'a, f32, D>,
-) -> Vec<ArrayViewMut<'a, f32, <D::Smaller as Dimension>::Smaller>>
+pub(super) fn heads_of<'a, A, D>(
+    x: ArrayViewMut<'a, A, D>,
+) -> Vec<ArrayViewMut<'a, A, <D::Smaller as Dimension>::Smaller>>
 where
     D: RemoveAxis,
     D::Smaller: RemoveAxis,

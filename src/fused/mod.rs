@@ -92,6 +92,42 @@ impl Query for half::bf16 {
 #[cfg(feature = "half")]
 impl Query for half::f16 {}
 
+/// What the fused forward writes its output as: `f32`, or a half call's
+/// `bf16`/`f16`, rounded (to nearest-even) from the `f32` result a row at
+/// a time as a query tile finishes it, never through a whole `f32` copy.
+pub(crate) trait Output: Copy + Send + Sync + 'static {
+    /// Writes `x` rounded to this type into `y`, of the same length.
+    fn store(x: &[f32], y: &mut [Self]);
+    /// `x` rounded to this type.
+    fn from_f32(x: f32) -> Self;
+}
+impl Output for f32 {
+    fn store(x: &[f32], y: &mut [f32]) {
+        y.copy_from_slice(x);
+    }
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+}
+#[cfg(feature = "half")]
+impl Output for half::bf16 {
+    fn store(x: &[f32], y: &mut [half::bf16]) {
+        simd::narrow_bf16(x, y);
+    }
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+}
+#[cfg(feature = "half")]
+impl Output for half::f16 {
+    fn store(x: &[f32], y: &mut [half::f16]) {
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(y, x);
+    }
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+}
+
 /// Keys per tile: a multiple of every kernel set's key panel.
 pub(crate) const KEY_TILE: usize = 64;
 /// Calls with at most this many query rows per head are decoding steps:
@@ -113,9 +149,9 @@ pub(crate) const DECODE_CHUNK: usize = 1024;
 /// # Errors
 /// When the kernel set forced for this call cannot run on this CPU, or a
 /// working buffer cannot be allocated.
-pub(crate) fn forward<KV: simd::Load + num_traits::Float, Q: Query>(
+pub(crate) fn forward<KV: simd::Load + num_traits::Float, Q: Query, O: Output>(
     call: &Call<'_, f32, KV, Q>,
-    out: ArrayViewMut4<'_, f32>,
+    out: ArrayViewMut4<'_, O>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     let job = forward::Forward {
@@ -138,9 +174,9 @@ pub(crate) fn forward<KV: simd::Load + num_traits::Float, Q: Query>(
 /// # Errors
 /// As [`forward`].
 #[cfg(feature = "half")]
-pub(crate) fn forward_bf16<Q: Query>(
+pub(crate) fn forward_bf16<Q: Query, O: Output>(
     call: &Call<'_, f32, half::bf16, Q>,
-    out: ArrayViewMut4<'_, f32>,
+    out: ArrayViewMut4<'_, O>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     let set = simd::current_kernel_set()?;

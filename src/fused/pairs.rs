@@ -23,7 +23,7 @@ use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4};
 use super::forward::{self, forward_or_decode, prefill_with};
 use super::scratch::Scratch;
 use super::tile::{TileQueries, TileSource};
-use super::{KEY_TILE, Query, forward_query_tile};
+use super::{KEY_TILE, Output, Query, forward_query_tile};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
@@ -44,14 +44,14 @@ const AMX_CAUSAL_QUERY_TILE: usize = 64;
 const LANES: usize = 16;
 
 /// One `bf16` forward call read natively, waiting for its kernel set.
-pub(super) struct Bf16Forward<'c, 'a, Q> {
+pub(super) struct Bf16Forward<'c, 'a, Q, O> {
     pub(super) call: &'c Call<'a, f32, bf16, Q>,
-    pub(super) out: ArrayViewMut4<'c, f32>,
+    pub(super) out: ArrayViewMut4<'c, O>,
     pub(super) log_sum_exp: Option<ArrayViewMut3<'c, f32>>,
     pub(super) kernels: PairKernels,
 }
 
-impl<Q: Query> WithKernel for Bf16Forward<'_, '_, Q> {
+impl<Q: Query, O: Output> WithKernel for Bf16Forward<'_, '_, Q, O> {
     type Output = Result<(), AttentionError>;
 
     /// The pairs prefill, unless the call is empty or a decoding step
@@ -177,12 +177,12 @@ fn products_may_overflow<K: Kernel, Q: Query>(
 }
 
 /// The prefill with each `(batch, kv_head)` packed into [`PairedKeys`].
-fn prefill<K: Kernel, Q: Query>(
+fn prefill<K: Kernel, Q: Query, O: Output>(
     kernel: K,
     kernels: PairKernels,
     call: &Call<'_, f32, bf16, Q>,
     magnitudes: &[KeyMagnitude],
-    out: ArrayViewMut4<'_, f32>,
+    out: ArrayViewMut4<'_, O>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     let query_tile = if kernels.on_tiles() && call.opts.causal.is_some() {

@@ -10,7 +10,7 @@ use ndarray::{ArrayView2, ArrayViewMut1, ArrayViewMut2, s};
 use num_traits::Float;
 
 use super::scratch::Scratch;
-use super::{KEY_TILE, Query};
+use super::{KEY_TILE, Output, Query};
 use crate::alloc::element_count;
 use crate::call::{AttentionShape, Call};
 use crate::error::AttentionError;
@@ -333,6 +333,8 @@ pub(crate) struct QueryTile {
     scores: Scratch,
     /// Unnormalised output `[computed rows][value_width]`.
     o: Scratch,
+    /// One output row, finished in `f32` before it is stored.
+    row: Scratch,
     /// Running row max `m`, running sum `ℓ`, and this step's rescale `α`.
     max: Scratch,
     sum: Scratch,
@@ -371,6 +373,7 @@ impl QueryTile {
             q_pairs,
             scores: buffer(Some(rows * KEY_TILE))?,
             o: buffer(rows.checked_mul(value_width))?,
+            row: buffer(Some(value_width))?,
             max: buffer(Some(rows))?,
             sum: buffer(Some(rows))?,
             alpha: buffer(Some(rows))?,
@@ -509,38 +512,46 @@ impl QueryTile {
     /// zeros and `−inf`; a row with an unhidden visible key got there by a
     /// non-finite input, and gets NaN with log-sum-exp `−inf` (see
     /// `mask.rs`).
+    ///
+    /// Each row is finished in `f32` and then stored in the output's type
+    /// `O` (rounded once, for a half call's output).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn write_output<K: Kernel, KV, Q>(
-        &self,
+    pub(crate) fn write_output<K: Kernel, KV, Q, O: Output>(
+        &mut self,
         kernel: K,
         call: &Call<'_, f32, KV, Q>,
         at: &TilePosition,
         keys: Range<usize>,
-        out_tile: &mut ArrayViewMut2<'_, f32>,
+        out_tile: &mut ArrayViewMut2<'_, O>,
         log_sum_exp: Option<ArrayViewMut1<'_, f32>>,
         sink: Option<f32>,
     ) {
         let mut log_sum_exp = log_sum_exp;
+        let d_v = out_tile.ncols();
         for r in 0..at.rows {
             let sum = self.sum[r];
-            let o = &self.o[r * self.value_width..];
-            let mut out_row = out_tile.row_mut(r);
+            let o = &self.o[r * self.value_width..][..d_v];
+            let row = &mut self.row[..d_v];
             let mut lse = if sum != 0.0 {
                 // A NaN sum gives NaN in both.
-                match out_row.as_slice_mut() {
-                    Some(out) => kernel.divided_copy(&o[..out.len()], out, sum),
-                    None => out_row.iter_mut().zip(o).for_each(|(y, &x)| *y = x / sum),
-                }
+                kernel.divided_copy(o, row, sum);
                 self.max[r] + sum.ln()
             } else if call.has_unhidden_key(at.b, at.h, at.i0 + r, keys.clone()) {
-                out_row.fill(f32::NAN);
+                row.fill(f32::NAN);
                 f32::NEG_INFINITY
             } else {
-                out_row.fill(0.0);
+                row.fill(0.0);
                 f32::NEG_INFINITY
             };
             if let Some(sink) = sink {
-                apply_sink(out_row.iter_mut(), &mut lse, sink);
+                apply_sink(row.iter_mut(), &mut lse, sink);
+            }
+            let mut out_row = out_tile.row_mut(r);
+            match out_row.as_slice_mut() {
+                Some(out) => O::store(row, out),
+                None => {
+                    (out_row.iter_mut().zip(row.iter())).for_each(|(y, &x)| *y = O::from_f32(x))
+                }
             }
             if let Some(log_sum_exp) = log_sum_exp.as_mut() {
                 log_sum_exp[r] = lse;
