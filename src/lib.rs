@@ -110,8 +110,8 @@ pub fn scaled_dot_product_attention<F: Storage>(
 
 /// [`scaled_dot_product_attention`] writing into a caller's buffer `out`
 /// (`[batch, heads, len_q, d_v]`, any strides); allocates no output (a
-/// `bf16` or `f16` call computes into an `f32` buffer of the output's shape
-/// and rounds it into `out`).
+/// `bf16` or `f16` call finishes each row in `f32` and rounds it into
+/// `out`). On an error `out` may be partly written.
 ///
 /// # Errors
 /// As [`scaled_dot_product_attention`], and when `out` does not have the
