@@ -4,11 +4,12 @@
 //! An [`Element`] (`f32`, `f64`) is both: its calls compute in the type
 //! itself. A half-precision [`Storage`] type (`half::bf16`, `half::f16`,
 //! with the `half` feature) is only stored: the functional entry points
-//! convert its queries to its [`Compute`](Storage::Compute) type (`f32`)
-//! once, read its keys and values as they are where the kernels can (a
-//! decoding step widens them as it loads them; `bf16`'s prefill packs them
-//! as `bf16` pairs on CPUs with native `bf16` products) and else convert
-//! them too, run the `f32` path, and round the output back once; `core`
+//! read its queries, keys and values where they are and compute in its
+//! [`Compute`](Storage::Compute) type (`f32`): a decoding step widens keys
+//! and values as it loads them; `bf16`'s prefill packs them as `bf16`
+//! pairs on CPUs with native `bf16` products; else the `f32` prefill
+//! widens them as it packs them and the queries as a query tile loads
+//! them, and each output row is rounded once as it is finished. `core`
 //! converts them to its [`Reference`](Storage::Reference) type (`f64`)
 //! instead. Options of
 //! a half call (scale, bias, ALiBi slopes, sinks, softcap) are given in the
@@ -527,10 +528,11 @@ pub(crate) mod sealed {
     /// when `f` returns `Ok`.
     ///
     /// Not filled when not loaded: every `f` given an output here is a
-    /// forward, and a forward writes every element of its output (the
-    /// `f32` `_into` hands it the caller's array as it is, and its
-    /// property tests fill that with NaN first). The fill was 2–4% of a
-    /// `bf16` forward at N = 256–1024.
+    /// forward (a half `KvCache`'s attention), and a forward writes every
+    /// element of its output (the `f32` `_into` hands it the caller's
+    /// array as it is, and its property tests fill that with NaN first).
+    /// The fill was 2–4% of a `bf16` functional forward at N = 256–1024
+    /// when those came through here too.
     #[cfg(feature = "half")]
     fn through_compute<T: Half, R>(
         mut x: ArrayViewMut4<'_, T>,
@@ -652,9 +654,10 @@ pub(crate) mod sealed {
 /// is also the type its calls compute in, or, with the `half` feature
 /// (on by default), `half::bf16` or `half::f16`, which are stored only.
 ///
-/// A half-precision call converts `q`, `k` and `v` to `f32` once, runs the
-/// fused `f32` path (softmax, running max and sum, accumulator and
-/// log-sum-exp all in `f32`) and rounds the output to the input type once.
+/// A half-precision call widens `q`, `k` and `v` to `f32` as the fused
+/// path reads them (a tile at a time, never as whole copies), computes in
+/// `f32` (softmax, running max and sum, accumulator and log-sum-exp) and
+/// rounds each output row to the input type once.
 /// Its options are `AttentionOptions<f32>`: the scale, bias, ALiBi slopes,
 /// sinks and softcap are `f32`, so `1/√d_k` and a bias are not rounded to
 /// the storage type; the log-sum-exp of a partial, `d_bias` and `d_sinks`

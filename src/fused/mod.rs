@@ -44,7 +44,7 @@ mod pairs;
 pub(crate) mod scratch;
 mod tile;
 
-use ndarray::{ArrayViewMut3, ArrayViewMut4};
+use ndarray::{ArrayView4, ArrayViewMut3, ArrayViewMut4};
 
 use crate::call::{BackwardCall, Call};
 use crate::error::AttentionError;
@@ -78,19 +78,37 @@ pub(crate) fn forward_query_tile<KV, Q>(call: &Call<'_, f32, KV, Q>) -> usize {
 /// What the fused forward reads queries as: `f32`, or a half call's
 /// `bf16`/`f16`, widened as a query tile loads them.
 pub(crate) trait Query: simd::Load + num_traits::Float {
-    /// Whether every query is a `bf16`, so that the `bf16` products may
-    /// take its bits as they are. `f32` queries (a `KvCache` attended from
-    /// `f32` projections) are never rounded.
+    /// Whether every query in `q` is a `bf16` value exactly, so that the
+    /// `bf16` products may take its bits as they are (`tile.rs` pairs them
+    /// by their top halves): `bf16` queries always; `f32` ones when each
+    /// one's low 16 bits are zero (a `bf16` `KvCache`'s queries, widened),
+    /// never `f32` projections, which are never rounded.
     #[cfg_attr(not(feature = "half"), allow(dead_code))]
-    const BF16: bool = false;
+    fn all_bf16(q: &ArrayView4<'_, Self>) -> bool;
 }
-impl Query for f32 {}
+impl Query for f32 {
+    fn all_bf16(q: &ArrayView4<'_, f32>) -> bool {
+        // One pass without an early exit: an OR of the bits vectorizes.
+        let low_bits = |x: &f32| x.to_bits() & 0xffff;
+        let any_low = match q.as_slice_memory_order() {
+            Some(q) => q.iter().map(low_bits).fold(0, |a, b| a | b),
+            None => q.iter().map(low_bits).fold(0, |a, b| a | b),
+        };
+        any_low == 0
+    }
+}
 #[cfg(feature = "half")]
 impl Query for half::bf16 {
-    const BF16: bool = true;
+    fn all_bf16(_: &ArrayView4<'_, half::bf16>) -> bool {
+        true
+    }
 }
 #[cfg(feature = "half")]
-impl Query for half::f16 {}
+impl Query for half::f16 {
+    fn all_bf16(_: &ArrayView4<'_, half::f16>) -> bool {
+        false
+    }
+}
 
 /// What the fused forward writes its output as: `f32`, or a half call's
 /// `bf16`/`f16`, rounded (to nearest-even) from the `f32` result a row at
@@ -168,8 +186,9 @@ pub(crate) fn forward<KV: simd::Load + num_traits::Float, Q: Query, O: Output>(
 /// [`simd::bf16_dot_runs_on`] says so for the kernel set chosen (by the
 /// CPU, `SDPA_KERNEL` or [`simd::with_kernel_set`]), the prefill packs
 /// them as `bf16` pairs for AMX tiles or `vdpbf16ps` (`pairs.rs`) when the
-/// queries are `bf16` too; else it is [`forward`]. Decoding steps run the
-/// decode driver on the `bf16` rows either way.
+/// queries are `bf16` values too ([`Query::all_bf16`]); else it is
+/// [`forward`]. Decoding steps run the decode driver on the `bf16` rows
+/// either way.
 ///
 /// # Errors
 /// As [`forward`].
@@ -180,7 +199,7 @@ pub(crate) fn forward_bf16<Q: Query, O: Output>(
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
     let set = simd::current_kernel_set()?;
-    match simd::pair_kernels(set, call.shape.d_k).filter(|_| Q::BF16) {
+    match simd::pair_kernels(set, call.shape.d_k).filter(|_| Q::all_bf16(&call.q)) {
         Some(kernels) => {
             let job = pairs::Bf16Forward {
                 call,

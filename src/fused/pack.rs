@@ -86,28 +86,13 @@ impl PackedHead {
             self.tile_has_nonfinite_rows.fill(false);
             return Ok(()); // `d_v = 0`: a forward for the log-sum-exp alone.
         }
-        let packed_rows = self.rows.chunks_exact_mut(self.row_width);
-        match E::as_f32(for_rows) {
-            Some(rows) => {
-                for (row, packed) in rows.rows().into_iter().zip(packed_rows) {
-                    match row.as_slice() {
-                        Some(row) => packed[..row.len()].copy_from_slice(row),
-                        None => (packed.iter_mut().zip(row.iter())).for_each(|(p, &x)| *p = x),
-                    }
-                    packed[row.len()..].fill(0.0);
-                }
-            }
-            None => {
-                for (row, packed) in for_rows.rows().into_iter().zip(packed_rows) {
-                    match row.as_slice() {
-                        Some(row) => kernel.scaled_copy(row, packed, 1.0),
-                        None => {
-                            (packed.iter_mut().zip(row.iter())).for_each(|(p, &x)| *p = x.to_f32())
-                        }
-                    }
-                    packed[row.len()..].fill(0.0);
-                }
-            }
+        for (row, packed) in for_rows
+            .rows()
+            .into_iter()
+            .zip(self.rows.chunks_exact_mut(self.row_width))
+        {
+            scaled_row(kernel, row, &mut packed[..row.len()], 1.0);
+            packed[row.len()..].fill(0.0);
         }
         self.rows[len_kv * self.row_width..].fill(0.0);
         for (nonfinite, tile) in self
@@ -129,21 +114,19 @@ impl PackedHead {
         keys: ArrayView2<'_, E>,
     ) -> Result<f32, AttentionError> {
         let (len_kv, width) = keys.dim();
-        if width == 0 {
+        if width == 0 || len_kv == 0 {
+            // Nothing to widen: the panels are all padding (zeros), if any.
+            self.panels.fill(0.0);
             return Ok(0.0);
         }
-        let mut wide = Scratch::for_writing("a widened key tile", KEY_TILE * width)?;
+        let what = "a widened key tile";
+        let tile_len = element_count::<f32>(what, &[KEY_TILE, width])?;
+        let mut wide = Scratch::for_writing(what, tile_len)?;
         let mut bound = 0.0f32;
-        for (t, panels) in self.panels.chunks_exact_mut(KEY_TILE * width).enumerate() {
+        for (t, panels) in self.panels.chunks_exact_mut(tile_len).enumerate() {
             let rows = (t * KEY_TILE..((t + 1) * KEY_TILE).min(len_kv)).len();
             for (i, wide_row) in wide.chunks_exact_mut(width).take(rows).enumerate() {
-                let row = keys.row(t * KEY_TILE + i);
-                match row.as_slice() {
-                    Some(row) => kernel.scaled_copy(row, wide_row, 1.0),
-                    None => {
-                        (wide_row.iter_mut().zip(row.iter())).for_each(|(w, &x)| *w = x.to_f32())
-                    }
-                }
+                scaled_row(kernel, keys.row(t * KEY_TILE + i), wide_row, 1.0);
             }
             let tile =
                 ArrayView2::from_shape((rows, width), &wide[..rows * width]).expect("whole rows");
@@ -303,12 +286,21 @@ fn copy_scaled<K: Kernel>(kernel: K, to: &mut [f32], from: ArrayView1<'_, f32>, 
         to.fill(0.0);
         return;
     }
+    scaled_row(kernel, from, to, factor);
+}
+
+/// `to[c] = factor · from[c]` for a row of any [`Load`] type, widened to
+/// `f32` (exactly) on the way: by the kernel where the row is contiguous,
+/// else one element at a time.
+pub(crate) fn scaled_row<K: Kernel, E: Load>(
+    kernel: K,
+    from: ArrayView1<'_, E>,
+    to: &mut [f32],
+    factor: f32,
+) {
     match from.as_slice() {
         Some(from) => kernel.scaled_copy(from, to, factor),
-        None => to
-            .iter_mut()
-            .zip(from.iter())
-            .for_each(|(t, &x)| *t = factor * x),
+        None => (to.iter_mut().zip(from.iter())).for_each(|(t, &x)| *t = x.to_f32() * factor),
     }
 }
 

@@ -7,10 +7,11 @@
 //! [`TileSource`] with its packing.
 //!
 //! A `bf16` call's keys and values reach here as the caller's `bf16`,
-//! packed straight from them, and its queries (`bf16`, or `f32` from a
-//! `KvCache`'s layer) widened to `f32` exactly a query tile at a time; a
-//! call whose queries are all `bf16` takes their bits back exactly when
-//! `tile.rs` pairs them (unscaled):
+//! packed straight from them, and its queries widened to `f32` exactly a
+//! query tile at a time. Only queries that are `bf16` values come here
+//! (`Query::all_bf16`: a `bf16` call's, or a `bf16` cache's widened ones;
+//! never `f32` projections), so taking their `bf16` bits back when
+//! `tile.rs` pairs them (unscaled) is exact too:
 //! the scores are the `f32` sums of exact products, scaled in `f32`. The
 //! one rounding this path adds over the `f32` path is the weights `P`,
 //! rounded to `bf16` per tile for `P·V`: each by a relative 2⁻⁸ at most,

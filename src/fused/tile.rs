@@ -9,6 +9,7 @@ use std::ops::Range;
 use ndarray::{ArrayView2, ArrayViewMut1, ArrayViewMut2, s};
 use num_traits::Float;
 
+use super::pack::scaled_row;
 use super::scratch::Scratch;
 use super::{KEY_TILE, Output, Query};
 use crate::alloc::element_count;
@@ -479,14 +480,7 @@ impl QueryTile {
             .take(at.rows)
             .zip(self.q.chunks_exact_mut(d_k))
         {
-            match query.as_slice() {
-                Some(query) => kernel.scaled_copy(query, packed, scale),
-                None => {
-                    for (packed, &x) in packed.iter_mut().zip(&query) {
-                        *packed = x.to_f32() * scale;
-                    }
-                }
-            }
+            scaled_row(kernel, query, packed, scale);
         }
         self.q_max_abs = kernel.max_abs(&self.q[..rows * d_k]);
         if paired {

@@ -100,7 +100,8 @@ use check::{KEYS, VALUES, check_dims, zeroed_buffer};
 /// multiple of 16 covers them all); other shapes, and prompts of more than
 /// 8 queries, take the `f32` path's prefill, which widens the keys and
 /// values as it packs them, a key tile at a time (or, for a bf16 cache
-/// attended with bf16 queries, packs them as bf16 pairs).
+/// whose queries are all bf16 values, packs them as bf16 pairs for the
+/// native kernels; `f32` projections are never rounded to bf16).
 ///
 /// The cache holds `batch` sequences decoded in lockstep: every step
 /// appends the same number of positions to each. Sequences of different

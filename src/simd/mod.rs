@@ -204,7 +204,10 @@ impl FromStr for KernelSet {
 /// otherwise. Said for head dims `d_k` that are multiples of 32 (every
 /// common one); where only AMX would make it pay, a call with another
 /// `d_k` converts. Decoding steps (at most 8 query rows a head) widen
-/// their keys and values to `f32` as they load them, in any case.
+/// their keys and values to `f32` as they load them, in any case, and a
+/// `bf16` `KvCache` attended from `f32` queries that are not all `bf16`
+/// values (a layer's projections) takes the `f32` kernels, so that its
+/// queries are never rounded.
 ///
 /// The weights `P` are then rounded to `bf16` for `P·V` (a relative error
 /// of at most 2⁻⁸ each), which moves an output by at most `2⁻⁸·max|v|`

@@ -486,3 +486,36 @@ fn one_and_two_threads_give_the_same_bits_on(engine: Engine) {
         }
     }
 }
+
+#[test]
+fn a_bf16_cache_prefill_with_bf16_queries_takes_the_native_path() {
+    engines()
+        .into_iter()
+        .for_each(a_bf16_cache_prefill_with_bf16_queries_takes_the_native_path_on);
+}
+
+fn a_bf16_cache_prefill_with_bf16_queries_takes_the_native_path_on(engine: Engine) {
+    // A cache widens its bf16 queries to f32 before attending; they are
+    // still bf16 values, so its prefill runs the native kernels: bit for
+    // bit the functional call's (causal, as a prompt on an empty cache).
+    let shape = [2, 4, 2, 100, 100, 64, 64];
+    let c = Case::new(shape, 21);
+    let opts = AttentionOptions::new().causal();
+    let functional = run(engine, &c.q, &c.k, &c.v, &opts);
+    let cached = with_bf16_dot(true, || {
+        with_amx(engine.amx, || {
+            with_kernel_set(engine.set, || {
+                let mut cache = sdpa::KvCache::<bf16>::new(2, 2, 64, 64, 100).unwrap();
+                cache.attend(c.q.view(), c.k.view(), c.v.view()).unwrap()
+            })
+        })
+    })
+    .expect("the set runs here");
+    assert!(
+        cached
+            .iter()
+            .zip(&functional)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{engine:?}"
+    );
+}
