@@ -392,6 +392,17 @@ pub(crate) mod sealed {
                 }
             }
 
+            /// The fused forward's output rows, rounded as `narrow` rounds.
+            impl crate::fused::Output for $t {
+                fn store(x: &[f32], y: &mut [$t]) {
+                    ($narrow)(x, y);
+                }
+
+                fn from_f32(x: f32) -> $t {
+                    <$t>::from_f32(x)
+                }
+            }
+
             impl Convert for $t {
                 fn to_compute<'a, D: Dimension>(
                     x: ArrayView<'a, $t, D>,

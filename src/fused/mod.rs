@@ -127,24 +127,8 @@ impl Output for f32 {
         x
     }
 }
-#[cfg(feature = "half")]
-impl Output for half::bf16 {
-    fn store(x: &[f32], y: &mut [half::bf16]) {
-        simd::narrow_bf16(x, y);
-    }
-    fn from_f32(x: f32) -> Self {
-        half::bf16::from_f32(x)
-    }
-}
-#[cfg(feature = "half")]
-impl Output for half::f16 {
-    fn store(x: &[f32], y: &mut [half::f16]) {
-        half::slice::HalfFloatSliceExt::convert_from_f32_slice(y, x);
-    }
-    fn from_f32(x: f32) -> Self {
-        half::f16::from_f32(x)
-    }
-}
+// The half types' impls are `element.rs`'s, beside their other
+// conversions, with the same rounding by slice.
 
 /// Keys per tile: a multiple of every kernel set's key panel.
 pub(crate) const KEY_TILE: usize = 64;
