@@ -28,7 +28,7 @@ use super::{KEY_TILE, Output, Query, forward_query_tile};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
-use crate::simd::{Kernel, Load, PAIR_KEYS, PairKernels, WithKernel};
+use crate::simd::{Kernel, Load, PAIR_KEYS, PairKernels, WeightPrecision, WithKernel};
 
 const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
 
@@ -270,6 +270,8 @@ impl PairedKeys {
 
 impl TileSource for PairedKeys {
     const PAIRED_QUERIES: bool = true;
+    // Both kernels round the weights to `bf16` pairs.
+    const WEIGHT_PRECISION: WeightPrecision = WeightPrecision::Bf16;
 
     fn computed_rows<K: Kernel>(rows: usize) -> usize {
         PairKernels::computed_rows(rows)

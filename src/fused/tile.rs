@@ -17,7 +17,7 @@ use crate::call::{AttentionShape, Call};
 use crate::error::AttentionError;
 use crate::mask::{biased, broadcast};
 use crate::modifiers::apply_sink;
-use crate::simd::{Kernel, Load, ValueRows, ZeroWeights};
+use crate::simd::{Kernel, Load, ValueRows, WeightPrecision, ZeroWeights};
 
 /// Where a query tile sits: batch item, head, first row and row count.
 #[derive(Debug, Clone, Copy)]
@@ -255,6 +255,10 @@ pub(crate) trait TileSource {
     /// else they read the scaled rows.
     const PAIRED_QUERIES: bool = false;
 
+    /// How exact the softmax's weights must be for [`tile_values`]
+    /// (Self::tile_values): `bf16` where it rounds them so.
+    const WEIGHT_PRECISION: WeightPrecision = WeightPrecision::F32;
+
     /// Rows the scores kernel computes for a tile of `rows` real rows.
     fn computed_rows<K: Kernel>(rows: usize) -> usize;
 
@@ -439,6 +443,7 @@ impl QueryTile {
                 &mut self.max[..rows],
                 &mut self.sum[..rows],
                 &mut self.alpha[..rows],
+                S::WEIGHT_PRECISION,
             );
             if width == 0 {
                 continue; // `d_v = 0`: only the log-sum-exp is wanted.

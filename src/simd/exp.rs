@@ -4,6 +4,11 @@
 //! [−ln2/2, ln2/2]; e^r is a degree-6 polynomial, scaled by 2^n in the
 //! exponent bits (`Vector::scale_by_exp2`). Measured maximum error on [−87.3, 0]: see the doc of
 //! [`exp`] and the test `exp_is_within_two_ulp_exhaustively`.
+//!
+//! The softmax's inputs are never positive, so it calls
+//! [`exp_of_nonpositive`] (the same bits without the clamp), or, where
+//! its weights are rounded to `bf16` next, [`exp_for_bf16_weights`] (a
+//! degree-4 polynomial, to 6e-6).
 
 use super::vector::Vector;
 
@@ -56,18 +61,70 @@ const EXP_POLY: [f32; 7] = [
 /// The CPU has `V`'s instruction set.
 #[inline(always)]
 pub(crate) unsafe fn exp<V: Vector>(x: V) -> V {
+    // SAFETY: the caller guarantees V's instruction set. `min` keeps a NaN
+    // in its second operand, so NaN goes through.
+    unsafe { exp_of_nonpositive(V::splat(EXP_MAX_INPUT).min(x)) }
+}
+
+/// [`exp`] without its clamp from above, for inputs known to be at most
+/// [`EXP_MAX_INPUT`] (or NaN): the softmax's shifted scores `s − max`,
+/// which are never positive. The same bits as [`exp`] for every such
+/// input; two instructions fewer a vector.
+///
+/// Lanes below [`EXP_MIN_INPUT`] (`−inf` among them) reduce to numbers
+/// that mean nothing, even NaN, and the last step replaces them with 0:
+/// nothing clamps them first.
+///
+/// # Safety
+/// The CPU has `V`'s instruction set.
+#[inline(always)]
+pub(crate) unsafe fn exp_of_nonpositive<V: Vector>(x: V) -> V {
     // SAFETY: the caller guarantees V's instruction set, and only register
     // operations follow.
     unsafe {
-        // `max` and `min` keep a NaN in their second operand, so NaN goes
-        // through.
-        let clamped = V::splat(EXP_MAX_INPUT).min(V::splat(EXP_MIN_INPUT).max(x));
         let magic = V::splat(ROUND_MAGIC);
-        let n = clamped.mul_add(V::splat(LOG2_E), magic).sub(magic);
-        let r = n.mul_add(V::splat(-LN2_HI), clamped);
+        let n = x.mul_add(V::splat(LOG2_E), magic).sub(magic);
+        let r = n.mul_add(V::splat(-LN2_HI), x);
         let r = n.mul_add(V::splat(-LN2_LO), r);
         let mut p = V::splat(EXP_POLY[6]);
         for &c in EXP_POLY[..6].iter().rev() {
+            p = p.mul_add(r, V::splat(c));
+        }
+        x.zero_where_less(V::splat(EXP_MIN_INPUT), p.scale_by_exp2(n))
+    }
+}
+
+/// Polynomial for e^r on [−ln2/2, ln2/2] to a relative error of 2.7e-6
+/// once rounded to `f32` (Lawson's algorithm in f64, as [`EXP_POLY`]):
+/// for weights rounded to `bf16` (a relative step of 2⁻⁸) right after.
+const EXP_POLY_FOR_BF16: [f32; 5] = [
+    0.999_999_3,
+    0.999_963_4,
+    0.500_043_6,
+    0.167_909_07,
+    0.041_458_607,
+];
+
+/// `e^x` for `x ≤ 0` (or NaN), to a relative error of 6e-6 (measured by
+/// `exp_for_bf16_weights_is_within_its_bound`): for softmax weights that
+/// are rounded to `bf16` next, whose rounding moves each by up to 2⁻⁹
+/// (2e-3), so this error is lost in it. [`exp_of_nonpositive`] with a
+/// degree-4 polynomial and `ln 2` in one constant (its rounding,
+/// `|n|·2.4e-8`, is at most 3e-6 for `n ≥ −126`): three instructions
+/// fewer a vector. `−inf` gives 0 and NaN gives NaN, as there.
+///
+/// # Safety
+/// The CPU has `V`'s instruction set.
+#[inline(always)]
+pub(crate) unsafe fn exp_for_bf16_weights<V: Vector>(x: V) -> V {
+    // SAFETY: the caller guarantees V's instruction set, and only register
+    // operations follow.
+    unsafe {
+        let magic = V::splat(ROUND_MAGIC);
+        let n = x.mul_add(V::splat(LOG2_E), magic).sub(magic);
+        let r = n.mul_add(V::splat(-std::f32::consts::LN_2), x);
+        let mut p = V::splat(EXP_POLY_FOR_BF16[4]);
+        for &c in EXP_POLY_FOR_BF16[..4].iter().rev() {
             p = p.mul_add(r, V::splat(c));
         }
         x.zero_where_less(V::splat(EXP_MIN_INPUT), p.scale_by_exp2(n))

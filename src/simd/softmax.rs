@@ -8,7 +8,7 @@
 //! Masked scores are `−inf` on entry and leave as exactly 0; a row that has
 //! seen no key yet becomes 0, never NaN.
 
-use super::exp::exp;
+use super::exp::{exp, exp_for_bf16_weights, exp_of_nonpositive};
 use super::kernel::KernelOp;
 use super::vector::Vector;
 
@@ -21,6 +21,7 @@ use super::vector::Vector;
 ///
 /// `max`, `sum` and `alpha` hold `m`, `ℓ` and `α` per row. A row whose `m'`
 /// is `−inf` (nothing visible yet) gets `s = 0` and `α = 1`, never NaN.
+/// `precision` says how exact the weights `e^(s[j] − m')` must be.
 pub(crate) struct SoftmaxRows<'a> {
     pub s: &'a mut [f32],
     pub keys: usize,
@@ -28,6 +29,20 @@ pub(crate) struct SoftmaxRows<'a> {
     pub max: &'a mut [f32],
     pub sum: &'a mut [f32],
     pub alpha: &'a mut [f32],
+    pub precision: WeightPrecision,
+}
+
+/// How exact a softmax's weights must be: as exact as the product that
+/// reads them keeps them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WeightPrecision {
+    /// Used as `f32`: within 2 ulp of `e^x` ([`exp_of_nonpositive`]).
+    F32,
+    /// Rounded to `bf16` before the product (`P·V` on `bf16` pairs): within
+    /// 6e-6 of `e^x` ([`exp_for_bf16_weights`]), three instructions a
+    /// vector cheaper, against the rounding's 2⁻⁹.
+    #[cfg_attr(not(feature = "half"), allow(dead_code))]
+    Bf16,
 }
 
 impl KernelOp for SoftmaxRows<'_> {
@@ -49,6 +64,7 @@ impl KernelOp for SoftmaxRows<'_> {
             max,
             sum,
             alpha,
+            precision,
         } = self;
         let rows = max.len();
         assert!(sum.len() == rows && alpha.len() == rows);
@@ -110,11 +126,10 @@ impl KernelOp for SoftmaxRows<'_> {
                         continue;
                     }
                     let shift = V::splat(new_max[r]);
-                    for j in (0..keys).step_by(V::LANES) {
-                        let p = exp(V::load(row.add(j)).sub(shift));
-                        p.store(row.add(j));
-                        *row_sum = row_sum.add(p);
-                    }
+                    *row_sum = match precision {
+                        WeightPrecision::F32 => weights_row::<V, false>(row, keys, shift),
+                        WeightPrecision::Bf16 => weights_row::<V, true>(row, keys, shift),
+                    };
                 }
                 // ℓ' = α·ℓ + Σ_j s[j]; α = e^(−inf) = 0 on a row's first
                 // visible tile.
@@ -128,6 +143,31 @@ impl KernelOp for SoftmaxRows<'_> {
                 sum[first..first + n].copy_from_slice(&sums[..n]);
             }
         }
+    }
+}
+
+/// `row[j] ← e^(row[j] − shift)` for the `keys` entries of `row` (a
+/// multiple of `LANES`, every `row[j] ≤ shift` or NaN), with the `exp`
+/// that `FOR_BF16` asks for; returns the weights' sum in each lane.
+///
+/// # Safety
+/// The CPU has `V`'s instruction set; `row` has `keys` entries.
+#[inline(always)]
+unsafe fn weights_row<V: Vector, const FOR_BF16: bool>(row: *mut f32, keys: usize, shift: V) -> V {
+    // SAFETY: the caller's; each vector lies inside the row's `keys`.
+    unsafe {
+        let mut sum = V::splat(0.0);
+        for j in (0..keys).step_by(V::LANES) {
+            let x = V::load(row.add(j)).sub(shift);
+            let p = if FOR_BF16 {
+                exp_for_bf16_weights(x)
+            } else {
+                exp_of_nonpositive(x)
+            };
+            p.store(row.add(j));
+            sum = sum.add(p);
+        }
+        sum
     }
 }
 

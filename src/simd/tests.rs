@@ -2,11 +2,11 @@
 
 use ndarray::ArrayView2;
 
-use super::exp::{EXP_MIN_INPUT, exp};
+use super::exp::{EXP_MIN_INPUT, exp, exp_for_bf16_weights, exp_of_nonpositive};
 use super::kernel::KernelOp;
 use super::vector::Vector;
 use super::{
-    Kernel, KernelSet, ValueRows, WithKernel, ZeroWeights, available_kernel_sets,
+    Kernel, KernelSet, ValueRows, WeightPrecision, WithKernel, ZeroWeights, available_kernel_sets,
     current_kernel_set, selected_kernel_set, with_kernel, with_kernel_set,
 };
 
@@ -26,9 +26,36 @@ fn ulp_error(got: f32, expected: f64) -> f64 {
     (got as f64 - expected).abs() / ulp
 }
 
+/// Which of the `exp` functions a test runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ExpKind {
+    /// [`exp`], for any input.
+    General,
+    /// [`exp_of_nonpositive`], the softmax's.
+    Nonpositive,
+    /// [`exp_for_bf16_weights`].
+    ForBf16,
+}
+
 /// `e^x` in place, `V::LANES` at a time (the last few through a padded
-/// vector): [`exp`] as a kernel of its own.
-struct ExpInPlace<'a>(&'a mut [f32]);
+/// vector): one of the `exp` functions as a kernel of its own.
+struct ExpInPlace<'a>(&'a mut [f32], ExpKind);
+
+impl ExpInPlace<'_> {
+    /// # Safety
+    /// The CPU has `V`'s instruction set.
+    #[inline(always)]
+    unsafe fn exp<V: Vector>(kind: ExpKind, x: V) -> V {
+        // SAFETY: the caller's.
+        unsafe {
+            match kind {
+                ExpKind::General => exp(x),
+                ExpKind::Nonpositive => exp_of_nonpositive(x),
+                ExpKind::ForBf16 => exp_for_bf16_weights(x),
+            }
+        }
+    }
+}
 
 impl KernelOp for ExpInPlace<'_> {
     type Output = ();
@@ -42,11 +69,12 @@ impl KernelOp for ExpInPlace<'_> {
     >(
         self,
     ) {
+        let kind = self.1;
         let mut chunks = self.0.chunks_exact_mut(V::LANES);
         for chunk in &mut chunks {
             // SAFETY: the caller guarantees V's instruction set; the chunk
             // has `V::LANES` elements.
-            unsafe { exp(V::load(chunk.as_ptr())).store(chunk.as_mut_ptr()) };
+            unsafe { Self::exp(kind, V::load(chunk.as_ptr())).store(chunk.as_mut_ptr()) };
         }
         let tail = chunks.into_remainder();
         let mut padded = [0.0f32; 64];
@@ -54,7 +82,7 @@ impl KernelOp for ExpInPlace<'_> {
         padded[..tail.len()].copy_from_slice(tail);
         // SAFETY: the caller guarantees V's instruction set; `padded` has at
         // least `V::LANES` elements.
-        unsafe { exp(V::load(padded.as_ptr())).store(padded.as_mut_ptr()) };
+        unsafe { Self::exp(kind, V::load(padded.as_ptr())).store(padded.as_mut_ptr()) };
         let n = tail.len();
         tail.copy_from_slice(&padded[..n]);
     }
@@ -62,12 +90,18 @@ impl KernelOp for ExpInPlace<'_> {
 
 /// `e^x` over the inputs, on one kernel set; returns (set, outputs).
 #[derive(Clone)]
-struct Exp(Vec<f32>);
+struct Exp(Vec<f32>, ExpKind);
+
+impl Exp {
+    fn general(x: Vec<f32>) -> Self {
+        Exp(x, ExpKind::General)
+    }
+}
 
 impl WithKernel for Exp {
     type Output = (KernelSet, Vec<f32>);
     fn run<K: Kernel>(mut self, kernel: K) -> Self::Output {
-        kernel.run(ExpInPlace(&mut self.0));
+        kernel.run(ExpInPlace(&mut self.0, self.1));
         (K::SET, self.0)
     }
 }
@@ -80,7 +114,7 @@ fn max_exp_ulp_error(set: KernelSet, first: u32, last: u32, step: usize) -> (f64
     let inputs: Vec<u32> = (first..=last).step_by(step).collect();
     for chunk in inputs.chunks(1 << 16) {
         let x: Vec<f32> = chunk.iter().map(|&bits| f32::from_bits(bits)).collect();
-        let (ran, y) = with_kernel(set, Exp(x.clone())).unwrap();
+        let (ran, y) = with_kernel(set, Exp::general(x.clone())).unwrap();
         assert_eq!(ran, set);
         for (&x, &y) in x.iter().zip(&y) {
             let error = ulp_error(y, (x as f64).exp());
@@ -138,7 +172,7 @@ fn exp_special_values() {
         1.0,
         10.0,
     ];
-    for (set, (_, y)) in for_each_kernel_set(Exp(x)) {
+    for (set, (_, y)) in for_each_kernel_set(Exp::general(x)) {
         assert_eq!(y[0], 0.0, "{set}: exp(-inf)");
         assert!(y[1].is_nan(), "{set}: exp(NaN)");
         assert!(
@@ -168,13 +202,66 @@ fn exp_saturates_to_infinity_above_the_f32_range() {
         1e30,
         88.0,
     ];
-    for (set, (_, y)) in for_each_kernel_set(Exp(x)) {
+    for (set, (_, y)) in for_each_kernel_set(Exp::general(x)) {
         assert!(
             ulp_error(y[0], 88f64.exp()) <= 2.0,
             "{set}: exp(88) = {}",
             y[0]
         );
         assert!(y[1..8].iter().all(|&y| y == f32::INFINITY), "{set}: {y:?}");
+    }
+}
+
+/// The softmax's inputs, `s − max`: every sampled `f32` in [−87.3, 0], the
+/// ends of the range, below it, `−inf` and NaN.
+fn shifted_scores() -> Vec<f32> {
+    let mut x: Vec<f32> = (MINUS_ZERO..=bits_of_minus_87_3())
+        .step_by(331)
+        .map(f32::from_bits)
+        .collect();
+    x.extend([
+        0.0,
+        EXP_MIN_INPUT,
+        EXP_MIN_INPUT - 1e-3,
+        -100.0,
+        -1e30,
+        f32::MIN,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ]);
+    x
+}
+
+#[test]
+fn exp_of_nonpositive_gives_the_bits_of_exp() {
+    let x = shifted_scores();
+    let general = for_each_kernel_set(Exp::general(x.clone()));
+    let nonpositive = for_each_kernel_set(Exp(x.clone(), ExpKind::Nonpositive));
+    for ((set, (_, a)), (_, (_, b))) in general.into_iter().zip(nonpositive) {
+        for ((&x, &a), &b) in x.iter().zip(&a).zip(&b) {
+            assert_eq!(a.to_bits(), b.to_bits(), "{set}: exp({x}) = {a}, {b}");
+        }
+    }
+}
+
+#[test]
+fn exp_for_bf16_weights_is_within_its_bound() {
+    let x = shifted_scores();
+    for (set, (_, y)) in for_each_kernel_set(Exp(x.clone(), ExpKind::ForBf16)) {
+        let mut worst = 0.0f64;
+        for (&x, &y) in x.iter().zip(&y) {
+            if x.is_nan() {
+                assert!(y.is_nan(), "{set}: exp(NaN) = {y}");
+            } else if x < EXP_MIN_INPUT {
+                assert_eq!(y, 0.0, "{set}: exp({x})");
+            } else {
+                let exact = f64::from(x).exp();
+                worst = worst.max((f64::from(y) - exact).abs() / exact);
+            }
+        }
+        // The polynomial's 2.7e-6 and `ln 2`'s rounding in one constant
+        // (up to 3e-6 at the bottom of the range).
+        assert!(worst <= 6e-6, "{set}: relative error {worst:e}");
     }
 }
 
@@ -254,7 +341,41 @@ impl WithKernel for TileCheck {
         let mut max = vec![0.5f32; rows];
         let mut sum = vec![2.0f32; rows];
         let mut alpha = vec![f32::NAN; rows];
-        kernel.softmax_rows(&mut s, keys, stride, &mut max, &mut sum, &mut alpha);
+        // The weights for `bf16` too, from the same state, checked to their
+        // own bound below.
+        let mut coarse = s.clone();
+        let (mut coarse_max, mut coarse_sum, mut coarse_alpha) =
+            (max.clone(), sum.clone(), alpha.clone());
+        kernel.softmax_rows(
+            &mut coarse,
+            keys,
+            stride,
+            &mut coarse_max,
+            &mut coarse_sum,
+            &mut coarse_alpha,
+            WeightPrecision::Bf16,
+        );
+        kernel.softmax_rows(
+            &mut s,
+            keys,
+            stride,
+            &mut max,
+            &mut sum,
+            &mut alpha,
+            WeightPrecision::F32,
+        );
+        assert_eq!((&coarse_max, &coarse_alpha), (&max, &alpha), "{}", K::SET);
+        for r in 0..rows {
+            for j in 0..keys {
+                let (coarse, exact) = (coarse[r * stride + j], s[r * stride + j]);
+                assert!(
+                    (coarse - exact).abs() <= 7e-6 * exact,
+                    "{}: bf16 weight [{r}][{j}] {coarse} against {exact}",
+                    K::SET
+                );
+            }
+            assert!((coarse_sum[r] - sum[r]).abs() <= 7e-6 * sum[r]);
+        }
         for r in 0..rows {
             let row = &original[r * stride..r * stride + keys];
             let visible = |j: usize| j != r % keys;
@@ -503,17 +624,21 @@ fn a_row_that_sees_nothing_gives_zeros_and_alpha_one() {
         type Output = ();
         fn run<K: Kernel>(self, kernel: K) {
             let keys = K::KEY_PANEL;
-            let mut s = vec![f32::NEG_INFINITY; keys];
-            let (mut max, mut sum, mut alpha) =
-                (vec![f32::NEG_INFINITY], vec![0.0], vec![f32::NAN]);
-            kernel.softmax_rows(&mut s, keys, keys, &mut max, &mut sum, &mut alpha);
-            assert!(s.iter().all(|&p| p == 0.0), "{}", K::SET);
-            assert_eq!(
-                (max[0], sum[0], alpha[0]),
-                (f32::NEG_INFINITY, 0.0, 1.0),
-                "{}",
-                K::SET
-            );
+            for precision in [WeightPrecision::F32, WeightPrecision::Bf16] {
+                let mut s = vec![f32::NEG_INFINITY; keys];
+                let (mut max, mut sum, mut alpha) =
+                    (vec![f32::NEG_INFINITY], vec![0.0], vec![f32::NAN]);
+                kernel.softmax_rows(
+                    &mut s, keys, keys, &mut max, &mut sum, &mut alpha, precision,
+                );
+                assert!(s.iter().all(|&p| p == 0.0), "{} {precision:?}", K::SET);
+                assert_eq!(
+                    (max[0], sum[0], alpha[0]),
+                    (f32::NEG_INFINITY, 0.0, 1.0),
+                    "{} {precision:?}",
+                    K::SET
+                );
+            }
         }
     }
     for_each_kernel_set(AllMasked);

@@ -123,7 +123,9 @@ pub(crate) unsafe trait Vector: Copy {
     /// The CPU has the instruction set of `Self`.
     unsafe fn all_less(self, threshold: Self) -> bool;
     /// `2^n` for lanes holding whole numbers `n` in `[-126, 128]` (`2^128`
-    /// is the bit pattern of `+inf`).
+    /// is the bit pattern of `+inf`). Any other lane below 128 (NaN, `−inf`,
+    /// a huge negative number) gives some number and nothing worse: `exp`
+    /// discards those lanes.
     ///
     /// # Safety
     /// The CPU has the instruction set of `Self`.
