@@ -255,8 +255,8 @@ pub(crate) trait TileSource {
     /// else they read the scaled rows.
     const PAIRED_QUERIES: bool = false;
 
-    /// How exact the softmax's weights must be for [`tile_values`]
-    /// (Self::tile_values): `bf16` where it rounds them so.
+    /// How exact the softmax's weights must be for
+    /// [`tile_values`](Self::tile_values): `bf16` where it rounds them so.
     const WEIGHT_PRECISION: WeightPrecision = WeightPrecision::F32;
 
     /// Rows the scores kernel computes for a tile of `rows` real rows.
