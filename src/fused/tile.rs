@@ -17,7 +17,7 @@ use crate::call::{AttentionShape, Call};
 use crate::error::AttentionError;
 use crate::mask::{biased, broadcast};
 use crate::modifiers::apply_sink;
-use crate::simd::{Kernel, Load, ValueRows, WeightPrecision, ZeroWeights};
+use crate::simd::{Kernel, Load, SoftmaxRows, ValueRows, WeightPrecision, ZeroWeights};
 
 /// Where a query tile sits: batch item, head, first row and row count.
 #[derive(Debug, Clone, Copy)]
@@ -238,7 +238,8 @@ pub(crate) struct TileQueries<'q> {
     #[cfg_attr(not(feature = "half"), allow(dead_code))]
     pub(crate) pairs: &'q [u32],
     pub(crate) d_k: usize,
-    /// The call's scale, for a source that applies it to the scores.
+    /// The factor a source that applies the scale to the scores applies:
+    /// the call's scale, or 1 where the softmax applies it.
     #[cfg_attr(not(feature = "half"), allow(dead_code))]
     pub(crate) scale: f32,
 }
@@ -412,6 +413,22 @@ impl QueryTile {
         self.sum[..rows].fill(0.0);
         self.o[..rows * self.value_width].fill(0.0);
         let width = self.value_width;
+        // A source that scales the scores itself (paired queries) leaves
+        // the scale to the softmax, which multiplies as it subtracts the
+        // maximum (one pass less over the scores), when nothing between
+        // reads scaled scores and a positive scale keeps each row's
+        // maximum where it is.
+        let scale_in_softmax = S::PAIRED_QUERIES
+            && call.scale > 0.0
+            && !may_overflow
+            && call.opts.softcap.is_none()
+            && call.opts.bias.is_none()
+            && call.opts.alibi.is_none();
+        let (score_scale, softmax_scale) = if scale_in_softmax {
+            (1.0, call.scale)
+        } else {
+            (call.scale, 1.0)
+        };
         let first_tile = span.min_start.max(keys.start) / KEY_TILE;
         let end_tile = span.max_end.min(keys.end).div_ceil(KEY_TILE);
         for t in first_tile..end_tile {
@@ -421,7 +438,7 @@ impl QueryTile {
                 rows: &self.q[..rows * d_k],
                 pairs: &self.q_pairs,
                 d_k,
-                scale: call.scale,
+                scale: score_scale,
             };
             source.tile_scores(kernel, &queries, j0, scores);
             if may_overflow {
@@ -436,15 +453,16 @@ impl QueryTile {
             if masked {
                 mask(scores, at, j0, call);
             }
-            kernel.softmax_rows(
-                scores,
-                KEY_TILE,
-                KEY_TILE,
-                &mut self.max[..rows],
-                &mut self.sum[..rows],
-                &mut self.alpha[..rows],
-                S::WEIGHT_PRECISION,
-            );
+            kernel.softmax_rows(SoftmaxRows {
+                s: scores,
+                keys: KEY_TILE,
+                s_stride: KEY_TILE,
+                max: &mut self.max[..rows],
+                sum: &mut self.sum[..rows],
+                alpha: &mut self.alpha[..rows],
+                precision: S::WEIGHT_PRECISION,
+                scale: softmax_scale,
+            });
             if width == 0 {
                 continue; // `d_v = 0`: only the log-sum-exp is wanted.
             }

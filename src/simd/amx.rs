@@ -330,7 +330,6 @@ unsafe fn scores_tiles(
     let rows = q_pairs.len() / d_pairs;
     let (q, k, s) = (q_pairs.as_ptr(), k_pairs.as_ptr(), s.as_mut_ptr());
     let (q_bytes, k_bytes, s_bytes) = (d_pairs * BYTES, PAIR_KEYS * BYTES, s_stride * BYTES);
-    let scale = _mm512_set1_ps(scale);
     let mut r0 = 0;
     // SAFETY (all): rows r0..r0 + n are inside `rows`, pairs t·16.. inside
     // `d_pairs`, keys h..h + 32 inside the tile, as the caller checked.
@@ -370,11 +369,16 @@ unsafe fn scores_tiles(
         }
         // Scaled after every tile is stored, not block by block: vector
         // loads right behind a tile store to the same lines wait for it
-        // (measured: the scale pass took a third of the kernel so).
+        // (measured: the scale pass took a third of the kernel so). A
+        // scale of 1 (the softmax applies the call's) needs no pass.
+        if scale == 1.0 {
+            return;
+        }
+        let factor = _mm512_set1_ps(scale);
         for r in 0..rows {
             for c in (0..PAIR_KEYS).step_by(LANES) {
                 let at = s.add(r * s_stride + c);
-                _mm512_storeu_ps(at, _mm512_mul_ps(scale, _mm512_loadu_ps(at)));
+                _mm512_storeu_ps(at, _mm512_mul_ps(factor, _mm512_loadu_ps(at)));
             }
         }
     }

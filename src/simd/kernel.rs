@@ -20,7 +20,7 @@ use ndarray::ArrayView2;
 use super::panels::PackPanels;
 use super::rows::{Dot, MaxAbs, ScaledCopy};
 use super::scores::{RowScores, Scores};
-use super::softmax::{ExpRowsShifted, SoftmaxRows, WeightPrecision};
+use super::softmax::{ExpRowsShifted, SoftmaxRows};
 use super::tanh::SoftcapScores;
 use super::values::{AccumulateValues, ValueRows, ZeroWeights};
 use super::vector::{Load, Vector};
@@ -129,32 +129,12 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
         })
     }
 
-    /// The online-softmax pass ([`SoftmaxRows`]) over the first `keys`
-    /// columns of the `max.len()` rows of `s`, its weights as exact as
-    /// `precision` asks.
+    /// The online-softmax pass over a tile of scores ([`SoftmaxRows`]).
     ///
     /// # Panics
     /// When a size does not fit (a bug in the driver, never bad user input).
-    #[allow(clippy::too_many_arguments)]
-    fn softmax_rows(
-        self,
-        s: &mut [f32],
-        keys: usize,
-        s_stride: usize,
-        max: &mut [f32],
-        sum: &mut [f32],
-        alpha: &mut [f32],
-        precision: WeightPrecision,
-    ) {
-        self.run(SoftmaxRows {
-            s,
-            keys,
-            s_stride,
-            max,
-            sum,
-            alpha,
-            precision,
-        })
+    fn softmax_rows(self, pass: SoftmaxRows<'_>) {
+        self.run(pass)
     }
 
     /// `s[r][j] ← e^(s[r][j] − shift[r])` ([`ExpRowsShifted`]) over the

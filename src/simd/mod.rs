@@ -99,7 +99,7 @@ pub(crate) use no_bf16::{PAIR_KEYS, PairKernels, pair_kernels};
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
 pub(crate) use pair_kernels::PairKernels;
 pub use probe::{amx_bf16_peak, bf16_dot_peak, fma_peak, read_rate};
-pub(crate) use softmax::WeightPrecision;
+pub(crate) use softmax::{SoftmaxRows, WeightPrecision};
 pub(crate) use values::{ValueRows, ZeroWeights};
 pub(crate) use vector::Load;
 

@@ -13,15 +13,21 @@ use super::kernel::KernelOp;
 use super::vector::Vector;
 
 /// The online-softmax pass over the first `keys` columns (a multiple of
-/// `LANES`) of the `max.len()` rows of `s` (row stride `s_stride`):
+/// `LANES`) of the `max.len()` rows of `s` (row stride `s_stride`), whose
+/// scores are `c·s[j]` for the positive factor `c = scale`:
 ///
 /// ```text
-/// m' = max(m, max_j s[j]);  α = e^(m − m');  s[j] ← e^(s[j] − m');  ℓ' = α·ℓ + Σ_j s[j]
+/// m' = max(m, c·max_j s[j]);  α = e^(m − m');  s[j] ← e^(c·s[j] − m');  ℓ' = α·ℓ + Σ_j s[j]
 /// ```
 ///
 /// `max`, `sum` and `alpha` hold `m`, `ℓ` and `α` per row. A row whose `m'`
 /// is `−inf` (nothing visible yet) gets `s = 0` and `α = 1`, never NaN.
-/// `precision` says how exact the weights `e^(s[j] − m')` must be.
+/// `precision` says how exact the weights must be.
+///
+/// `scale` is 1 where `s` is scaled already (the same bits as a pass
+/// without it: `c·s − m'` is one fused multiply-add, exact in its
+/// product). A positive `c` keeps each row's maximum where it was, and
+/// `c·(−inf) = −inf` keeps a masked score masked.
 pub(crate) struct SoftmaxRows<'a> {
     pub s: &'a mut [f32],
     pub keys: usize,
@@ -30,6 +36,7 @@ pub(crate) struct SoftmaxRows<'a> {
     pub sum: &'a mut [f32],
     pub alpha: &'a mut [f32],
     pub precision: WeightPrecision,
+    pub scale: f32,
 }
 
 /// How exact a softmax's weights must be: as exact as the product that
@@ -65,9 +72,11 @@ impl KernelOp for SoftmaxRows<'_> {
             sum,
             alpha,
             precision,
+            scale,
         } = self;
         let rows = max.len();
         assert!(sum.len() == rows && alpha.len() == rows);
+        assert!(scale > 0.0, "a positive factor keeps the maxima");
         assert!(keys.is_multiple_of(V::LANES) && keys <= s_stride);
         assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
         let s = s.as_mut_ptr();
@@ -95,7 +104,8 @@ impl KernelOp for SoftmaxRows<'_> {
                 let mut old = [f32::NEG_INFINITY; 16];
                 old[..n].copy_from_slice(&max[first..first + n]);
                 let old = V::load(old.as_ptr());
-                let new = V::reduce_maxes(&row_maxima[..V::LANES]).max(old);
+                let c = V::splat(scale);
+                let new = V::reduce_maxes(&row_maxima[..V::LANES]).mul(c).max(old);
                 let (mut new_max, mut factor) = ([0.0f32; 16], [0.0f32; 16]);
                 new.store(new_max.as_mut_ptr());
                 exp(old.sub(new)).store(factor.as_mut_ptr());
@@ -125,10 +135,10 @@ impl KernelOp for SoftmaxRows<'_> {
                         alpha[first + r] = 1.0;
                         continue;
                     }
-                    let shift = V::splat(new_max[r]);
+                    let shift = V::splat(-new_max[r]);
                     *row_sum = match precision {
-                        WeightPrecision::F32 => weights_row::<V, false>(row, keys, shift),
-                        WeightPrecision::Bf16 => weights_row::<V, true>(row, keys, shift),
+                        WeightPrecision::F32 => weights_row::<V, false>(row, keys, c, shift),
+                        WeightPrecision::Bf16 => weights_row::<V, true>(row, keys, c, shift),
                     };
                 }
                 // ℓ' = α·ℓ + Σ_j s[j]; α = e^(−inf) = 0 on a row's first
@@ -146,19 +156,24 @@ impl KernelOp for SoftmaxRows<'_> {
     }
 }
 
-/// `row[j] ← e^(row[j] − shift)` for the `keys` entries of `row` (a
-/// multiple of `LANES`, every `row[j] ≤ shift` or NaN), with the `exp`
-/// that `FOR_BF16` asks for; returns the weights' sum in each lane.
+/// `row[j] ← e^(c·row[j] + shift)` for the `keys` entries of `row` (a
+/// multiple of `LANES`, every exponent ≤ 0 or NaN), with the `exp` that
+/// `FOR_BF16` asks for; returns the weights' sum in each lane.
 ///
 /// # Safety
 /// The CPU has `V`'s instruction set; `row` has `keys` entries.
 #[inline(always)]
-unsafe fn weights_row<V: Vector, const FOR_BF16: bool>(row: *mut f32, keys: usize, shift: V) -> V {
+unsafe fn weights_row<V: Vector, const FOR_BF16: bool>(
+    row: *mut f32,
+    keys: usize,
+    c: V,
+    shift: V,
+) -> V {
     // SAFETY: the caller's; each vector lies inside the row's `keys`.
     unsafe {
         let mut sum = V::splat(0.0);
         for j in (0..keys).step_by(V::LANES) {
-            let x = V::load(row.add(j)).sub(shift);
+            let x = V::load(row.add(j)).mul_add(c, shift);
             let p = if FOR_BF16 {
                 exp_for_bf16_weights(x)
             } else {

@@ -6,8 +6,8 @@ use super::exp::{EXP_MIN_INPUT, exp, exp_for_bf16_weights, exp_of_nonpositive};
 use super::kernel::KernelOp;
 use super::vector::Vector;
 use super::{
-    Kernel, KernelSet, ValueRows, WeightPrecision, WithKernel, ZeroWeights, available_kernel_sets,
-    current_kernel_set, selected_kernel_set, with_kernel, with_kernel_set,
+    Kernel, KernelSet, SoftmaxRows, ValueRows, WeightPrecision, WithKernel, ZeroWeights,
+    available_kernel_sets, current_kernel_set, selected_kernel_set, with_kernel, with_kernel_set,
 };
 
 /// Runs `job` once per available kernel set.
@@ -346,24 +346,52 @@ impl WithKernel for TileCheck {
         let mut coarse = s.clone();
         let (mut coarse_max, mut coarse_sum, mut coarse_alpha) =
             (max.clone(), sum.clone(), alpha.clone());
-        kernel.softmax_rows(
-            &mut coarse,
+        kernel.softmax_rows(SoftmaxRows {
+            s: &mut coarse,
             keys,
-            stride,
-            &mut coarse_max,
-            &mut coarse_sum,
-            &mut coarse_alpha,
-            WeightPrecision::Bf16,
-        );
-        kernel.softmax_rows(
-            &mut s,
+            s_stride: stride,
+            max: &mut coarse_max,
+            sum: &mut coarse_sum,
+            alpha: &mut coarse_alpha,
+            precision: WeightPrecision::Bf16,
+            scale: 1.0,
+        });
+        // And with the scale applied by the pass, to scores not yet scaled
+        // by it (by 8, exactly: the same scores).
+        let mut unscaled: Vec<f32> = s.iter().map(|&x| x * 8.0).collect();
+        let (mut unscaled_max, mut unscaled_sum, mut unscaled_alpha) =
+            (max.clone(), sum.clone(), alpha.clone());
+        kernel.softmax_rows(SoftmaxRows {
+            s: &mut unscaled,
             keys,
-            stride,
-            &mut max,
-            &mut sum,
-            &mut alpha,
-            WeightPrecision::F32,
-        );
+            s_stride: stride,
+            max: &mut unscaled_max,
+            sum: &mut unscaled_sum,
+            alpha: &mut unscaled_alpha,
+            precision: WeightPrecision::F32,
+            scale: 0.125,
+        });
+        kernel.softmax_rows(SoftmaxRows {
+            s: &mut s,
+            keys,
+            s_stride: stride,
+            max: &mut max,
+            sum: &mut sum,
+            alpha: &mut alpha,
+            precision: WeightPrecision::F32,
+            scale: 1.0,
+        });
+        // A power of two scales exactly, so the fused multiply-add gives
+        // the bits of the subtraction.
+        let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (a, b) in [
+            (&unscaled, &s),
+            (&unscaled_max, &max),
+            (&unscaled_sum, &sum),
+            (&unscaled_alpha, &alpha),
+        ] {
+            assert_eq!(bits(a), bits(b), "{}: the scale in the pass", K::SET);
+        }
         assert_eq!((&coarse_max, &coarse_alpha), (&max, &alpha), "{}", K::SET);
         for r in 0..rows {
             for j in 0..keys {
@@ -628,9 +656,16 @@ fn a_row_that_sees_nothing_gives_zeros_and_alpha_one() {
                 let mut s = vec![f32::NEG_INFINITY; keys];
                 let (mut max, mut sum, mut alpha) =
                     (vec![f32::NEG_INFINITY], vec![0.0], vec![f32::NAN]);
-                kernel.softmax_rows(
-                    &mut s, keys, keys, &mut max, &mut sum, &mut alpha, precision,
-                );
+                kernel.softmax_rows(SoftmaxRows {
+                    s: &mut s,
+                    keys,
+                    s_stride: keys,
+                    max: &mut max,
+                    sum: &mut sum,
+                    alpha: &mut alpha,
+                    precision,
+                    scale: 0.5,
+                });
                 assert!(s.iter().all(|&p| p == 0.0), "{} {precision:?}", K::SET);
                 assert_eq!(
                     (max[0], sum[0], alpha[0]),

@@ -151,7 +151,9 @@ impl Store<f32> {
 }
 
 /// Case `case`'s options: none; causal both ways; a window with key
-/// lengths; a keep mask with a bias; ALiBi, softcap and sinks; all of them.
+/// lengths; a keep mask with a bias; ALiBi, softcap and sinks; all of
+/// them; a negative scale (which the softmax cannot apply for the scores
+/// kernel: it flips the maxima).
 fn options<T: Copy + num_traits::Float + From<f32>>(
     case: usize,
     store: &Store<T>,
@@ -169,7 +171,7 @@ fn options<T: Copy + num_traits::Float + From<f32>>(
             .alibi(&store.slopes)
             .softcap(t(5.0))
             .sinks(&store.sinks),
-        _ => opts
+        6 => opts
             .causal()
             .window(50)
             .scale(t(0.2))
@@ -179,10 +181,11 @@ fn options<T: Copy + num_traits::Float + From<f32>>(
             .alibi(&store.slopes)
             .softcap(t(4.0))
             .sinks(&store.sinks),
+        _ => opts.scale(t(-0.4)),
     }
 }
 
-const CASES: usize = 7;
+const CASES: usize = 8;
 
 /// One case's inputs and option data.
 struct Case {
