@@ -6,12 +6,15 @@
 //! ```text
 //! cargo run --release --example accuracy
 //! DTYPE=bf16 cargo run --release --example accuracy
+//! DTYPE=f16 cargo run --release --example accuracy
 //! ```
 //!
 //! With `DTYPE=bf16` (feature `half`), the inputs are rounded to `bf16` and
 //! the reference is `sdpa::core` in `f64` on those rounded inputs; the
-//! output is `bf16`, as torch's is (`scripts/bf16_accuracy.py` prints
-//! torch's bf16 SDPA the same way). On a set where `bf16` runs natively
+//! output is `bf16`, as torch's is (`scripts/half_accuracy.py bf16` prints
+//! torch's bf16 SDPA the same way); `DTYPE=f16` likewise in `f16`
+//! (`scripts/half_accuracy.py f16`), which runs the `f32` kernels on
+//! widened inputs on every set. On a set where `bf16` runs natively
 //! (AVX-512 with AVX-512 BF16) this is the `vdpbf16ps` path, or the AMX
 //! tile path where the CPU has AMX ([`sdpa::simd::amx_runs_on`]), its
 //! weights rounded to `bf16` for `P·V` either way.
@@ -42,28 +45,57 @@ impl Normal {
     }
 }
 
+/// The input and output type the example measures (`DTYPE`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Input {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Input {
+    fn from_env() -> Self {
+        let dtype = std::env::var("DTYPE").unwrap_or_default().to_lowercase();
+        let input = match dtype.as_str() {
+            "" | "f32" => Input::F32,
+            "bf16" => Input::Bf16,
+            "f16" => Input::F16,
+            other => panic!("DTYPE={other}: f32, bf16 or f16"),
+        };
+        assert!(
+            input == Input::F32 || cfg!(feature = "half"),
+            "DTYPE=bf16 and DTYPE=f16 need the half feature"
+        );
+        input
+    }
+
+    /// The header of kernel set `set`'s block.
+    fn header(self, set: sdpa::simd::KernelSet) -> String {
+        let against = "against sdpa::core in f64";
+        match self {
+            Input::F32 => format!("sdpa f32 fused path, kernel set {set}, {against}"),
+            Input::Bf16 => {
+                let how = if sdpa::simd::amx_runs_on(set) {
+                    "native AMX tdpbf16ps"
+                } else if sdpa::simd::bf16_dot_runs_on(set) {
+                    "native vdpbf16ps"
+                } else {
+                    "converted to f32"
+                };
+                format!("sdpa bf16 ({how}), kernel set {set}, {against} on the same bf16 inputs")
+            }
+            Input::F16 => format!(
+                "sdpa f16 (widened to f32), kernel set {set}, {against} on the same f16 inputs"
+            ),
+        }
+    }
+}
+
 fn main() -> Result<(), sdpa::AttentionError> {
     let mut normal = Normal(0);
-    let bf16_inputs = std::env::var("DTYPE").is_ok_and(|t| t.eq_ignore_ascii_case("bf16"));
-    assert!(
-        !bf16_inputs || cfg!(feature = "half"),
-        "DTYPE=bf16 needs the half feature"
-    );
+    let input = Input::from_env();
     for set in available_kernel_sets() {
-        if bf16_inputs {
-            let how = if sdpa::simd::amx_runs_on(set) {
-                "native AMX tdpbf16ps"
-            } else if sdpa::simd::bf16_dot_runs_on(set) {
-                "native vdpbf16ps"
-            } else {
-                "converted to f32"
-            };
-            println!(
-                "sdpa bf16 ({how}), kernel set {set}, against sdpa::core in f64 on the same bf16 inputs"
-            );
-        } else {
-            println!("sdpa f32 fused path, kernel set {set}, against sdpa::core in f64");
-        }
+        println!("{}", input.header(set));
         println!(
             "{:>5} {:>4} {:>6} {:>6} {:>10} {:>10}",
             "N", "d", "sigma", "causal", "max_rel", "norm_rel"
@@ -72,20 +104,12 @@ fn main() -> Result<(), sdpa::AttentionError> {
             for sigma in [1.0, 4.0] {
                 for causal in [false, true] {
                     let dim = (1, 8, n, d);
+                    // Half inputs: the reference runs on the rounded numbers.
                     let (q, k, v) = (
-                        normal.array(dim, sigma),
-                        normal.array(dim, sigma),
-                        normal.array(dim, sigma),
+                        round(input, normal.array(dim, sigma)),
+                        round(input, normal.array(dim, sigma)),
+                        round(input, normal.array(dim, sigma)),
                     );
-                    // bf16 inputs: the reference runs on the rounded numbers.
-                    let round = |x: Array4<f64>| {
-                        if bf16_inputs {
-                            x.mapv(round_to_bf16)
-                        } else {
-                            x
-                        }
-                    };
-                    let (q, k, v) = (round(q), round(k), round(v));
                     let opts = if causal {
                         AttentionOptions::new().causal()
                     } else {
@@ -97,31 +121,52 @@ fn main() -> Result<(), sdpa::AttentionError> {
                         v.view(),
                         &opts,
                     )?;
-                    if bf16_inputs {
-                        let fast = bf16_call(set, causal, &q, &k, &v)?;
-                        print_errors(n, d, sigma, causal, &fast, &reference);
-                        continue;
-                    }
-                    let to_f32 = |x: &Array4<f64>| x.mapv(|x| x as f32);
-                    let fast_opts = if causal {
-                        AttentionOptions::new().causal()
-                    } else {
-                        AttentionOptions::new()
-                    };
-                    let fast = sdpa::simd::with_kernel_set(set, || {
-                        sdpa::scaled_dot_product_attention(
-                            to_f32(&q).view(),
-                            to_f32(&k).view(),
-                            to_f32(&v).view(),
-                            &fast_opts,
-                        )
-                    })??;
-                    print_errors(n, d, sigma, causal, &fast.mapv(f64::from), &reference);
+                    let fast = fast_call(input, set, causal, &q, &k, &v)?;
+                    print_errors(n, d, sigma, causal, &fast, &reference);
                 }
             }
         }
     }
     Ok(())
+}
+
+/// `x` in the call's input type: `f32` inputs are rounded by the call
+/// itself (the reference keeps `f64`, as `py_accuracy.py` does); half
+/// inputs are rounded here, so the reference sees them too.
+fn round(input: Input, x: Array4<f64>) -> Array4<f64> {
+    match input {
+        Input::F32 => x,
+        Input::Bf16 | Input::F16 => x.mapv(|x| round_to_half(input, x)),
+    }
+}
+
+/// The fast call on `q`, `k`, `v` in the input type, its output widened.
+fn fast_call(
+    input: Input,
+    set: sdpa::simd::KernelSet,
+    causal: bool,
+    q: &Array4<f64>,
+    k: &Array4<f64>,
+    v: &Array4<f64>,
+) -> Result<Array4<f64>, sdpa::AttentionError> {
+    if input != Input::F32 {
+        return half_call(input, set, causal, q, k, v);
+    }
+    let opts = if causal {
+        AttentionOptions::new().causal()
+    } else {
+        AttentionOptions::new()
+    };
+    let to_f32 = |x: &Array4<f64>| x.mapv(|x| x as f32);
+    let fast = sdpa::simd::with_kernel_set(set, || {
+        sdpa::scaled_dot_product_attention(
+            to_f32(q).view(),
+            to_f32(k).view(),
+            to_f32(v).view(),
+            &opts,
+        )
+    })??;
+    Ok(fast.mapv(f64::from))
 }
 
 /// One line: `max |err| / max |ref|` and `‖err‖ / ‖ref‖`.
@@ -149,50 +194,62 @@ fn print_errors(
     );
 }
 
-/// `x` rounded to the nearest `bf16`.
+/// `x` rounded to the nearest half value of the input type.
 #[cfg(feature = "half")]
-fn round_to_bf16(x: f64) -> f64 {
-    half::bf16::from_f64(x).to_f64()
+fn round_to_half(input: Input, x: f64) -> f64 {
+    match input {
+        Input::F16 => half::f16::from_f64(x).to_f64(),
+        _ => half::bf16::from_f64(x).to_f64(),
+    }
 }
 
 #[cfg(not(feature = "half"))]
-fn round_to_bf16(_: f64) -> f64 {
-    unreachable!("DTYPE=bf16 is refused without the half feature")
+fn round_to_half(_: Input, _: f64) -> f64 {
+    unreachable!("half inputs are refused without the half feature")
 }
 
-/// The `bf16` call on `q`, `k`, `v` (already `bf16` numbers), widened.
+/// The half call on `q`, `k`, `v` (already numbers of the input type), its
+/// output widened.
 #[cfg(feature = "half")]
-fn bf16_call(
+fn half_call(
+    input: Input,
     set: sdpa::simd::KernelSet,
     causal: bool,
     q: &Array4<f64>,
     k: &Array4<f64>,
     v: &Array4<f64>,
 ) -> Result<Array4<f64>, sdpa::AttentionError> {
-    use half::bf16;
-    let opts = if causal {
-        AttentionOptions::new().causal()
-    } else {
-        AttentionOptions::new()
-    };
-    let (q, k, v) = (
-        q.mapv(bf16::from_f64),
-        k.mapv(bf16::from_f64),
-        v.mapv(bf16::from_f64),
-    );
-    let out = sdpa::simd::with_kernel_set(set, || {
-        sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
-    })??;
-    Ok(out.mapv(bf16::to_f64))
+    fn call<T: sdpa::Storage>(
+        set: sdpa::simd::KernelSet,
+        causal: bool,
+        [q, k, v]: [Array4<T>; 3],
+    ) -> Result<Array4<T>, sdpa::AttentionError> {
+        let opts = if causal {
+            AttentionOptions::new().causal()
+        } else {
+            AttentionOptions::new()
+        };
+        sdpa::simd::with_kernel_set(set, || {
+            sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
+        })?
+    }
+    use half::{bf16, f16};
+    Ok(match input {
+        Input::F16 => {
+            call(set, causal, [q, k, v].map(|x| x.mapv(f16::from_f64)))?.mapv(f16::to_f64)
+        }
+        _ => call(set, causal, [q, k, v].map(|x| x.mapv(bf16::from_f64)))?.mapv(bf16::to_f64),
+    })
 }
 
 #[cfg(not(feature = "half"))]
-fn bf16_call(
+fn half_call(
+    _: Input,
     _: sdpa::simd::KernelSet,
     _: bool,
     _: &Array4<f64>,
     _: &Array4<f64>,
     _: &Array4<f64>,
 ) -> Result<Array4<f64>, sdpa::AttentionError> {
-    unreachable!("DTYPE=bf16 is refused without the half feature")
+    unreachable!("half inputs are refused without the half feature")
 }

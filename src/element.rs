@@ -9,7 +9,9 @@
 //! and values as it loads them; `bf16`'s prefill packs them as `bf16`
 //! pairs on CPUs with native `bf16` products; else the `f32` prefill
 //! widens them as it packs them and the queries as a query tile loads
-//! them, and each output row is rounded once as it is finished. `core`
+//! them, and each output row is rounded once as it is finished; the
+//! softmax's `e^x` is then good to 6e-6 rather than 2 ulp, which the
+//! output's rounding (2⁻⁹ or 2⁻¹²) hides (`WeightPrecision`). `core`
 //! converts them to its [`Reference`](Storage::Reference) type (`f64`)
 //! instead. Options of
 //! a half call (scale, bias, ALiBi slopes, sinks, softcap) are given in the
@@ -394,6 +396,9 @@ pub(crate) mod sealed {
 
             /// The fused forward's output rows, rounded as `narrow` rounds.
             impl crate::fused::Output for $t {
+                const WEIGHT_PRECISION: crate::simd::WeightPrecision =
+                    crate::simd::WeightPrecision::Half;
+
                 fn store(x: &[f32], y: &mut [$t]) {
                     ($narrow)(x, y);
                 }

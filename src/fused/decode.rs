@@ -14,7 +14,7 @@ use crate::error::AttentionError;
 use crate::modifiers::apply_sink;
 use crate::parallel::map_with;
 use crate::partial::merge_row;
-use crate::simd::{Kernel, Load, ValueRows};
+use crate::simd::{Kernel, Load, ValueRows, WeightPrecision};
 use num_traits::Float;
 
 /// Whether the call is a decoding step whose keys and values the kernels
@@ -74,7 +74,9 @@ pub(super) fn decode<K: Kernel, KV: Load + Float, Q: Query, O: Output>(
                         i0: 0,
                         rows: shape.len_q,
                     };
-                    tile.attend(kernel, call, &at, &source, keys.clone());
+                    // The partials stay `f32` until they are merged.
+                    let result = WeightPrecision::Full;
+                    tile.attend(kernel, call, &at, &source, keys.clone(), result);
                     let mut out: Array2<f32> =
                         try_zeros("a decode partial", (shape.len_q, shape.d_v))?;
                     let mut lse = Array1::zeros(shape.len_q);

@@ -170,7 +170,14 @@ pub(super) fn prefill_with<
                 || QueryTile::new::<K, S>(&shape, query_tile),
                 |tile, (at, mut out_tile, lse_tile)| {
                     let tile = tile.as_mut().map_err(|error| error.clone())?;
-                    tile.attend(kernel, call, &at, &source, keys.clone());
+                    tile.attend(
+                        kernel,
+                        call,
+                        &at,
+                        &source,
+                        keys.clone(),
+                        O::WEIGHT_PRECISION,
+                    );
                     let sink = call.sink(at.h);
                     tile.write_output(
                         kernel,

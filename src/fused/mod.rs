@@ -49,7 +49,7 @@ use ndarray::{ArrayView4, ArrayViewMut3, ArrayViewMut4};
 use crate::call::{BackwardCall, Call};
 use crate::error::AttentionError;
 use crate::gradients::GradientsViewMut;
-use crate::simd;
+use crate::simd::{self, WeightPrecision};
 
 /// Query rows per work item. With 64 keys per tile, the score tile is
 /// 96 × 64 × 4 B = 24 KiB, and a key or value tile at d = 64 is 16 KiB: the
@@ -114,12 +114,16 @@ impl Query for half::f16 {
 /// `bf16`/`f16`, rounded (to nearest-even) from the `f32` result a row at
 /// a time as a query tile finishes it, never through a whole `f32` copy.
 pub(crate) trait Output: Copy + Send + Sync + 'static {
+    /// How exact the softmax's weights must be for an output rounded to
+    /// this type.
+    const WEIGHT_PRECISION: WeightPrecision;
     /// Writes `x` rounded to this type into `y`, of the same length.
     fn store(x: &[f32], y: &mut [Self]);
     /// `x` rounded to this type.
     fn from_f32(x: f32) -> Self;
 }
 impl Output for f32 {
+    const WEIGHT_PRECISION: WeightPrecision = WeightPrecision::Full;
     fn store(x: &[f32], y: &mut [f32]) {
         y.copy_from_slice(x);
     }

@@ -271,7 +271,7 @@ impl PairedKeys {
 impl TileSource for PairedKeys {
     const PAIRED_QUERIES: bool = true;
     // Both kernels round the weights to `bf16` pairs.
-    const WEIGHT_PRECISION: WeightPrecision = WeightPrecision::Bf16;
+    const WEIGHT_PRECISION: WeightPrecision = WeightPrecision::Half;
 
     fn computed_rows<K: Kernel>(rows: usize) -> usize {
         PairKernels::computed_rows(rows)

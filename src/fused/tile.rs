@@ -258,7 +258,7 @@ pub(crate) trait TileSource {
 
     /// How exact the softmax's weights must be for
     /// [`tile_values`](Self::tile_values): `bf16` where it rounds them so.
-    const WEIGHT_PRECISION: WeightPrecision = WeightPrecision::F32;
+    const WEIGHT_PRECISION: WeightPrecision = WeightPrecision::Full;
 
     /// Rows the scores kernel computes for a tile of `rows` real rows.
     fn computed_rows<K: Kernel>(rows: usize) -> usize;
@@ -390,7 +390,9 @@ impl QueryTile {
 
     /// Runs the query tile `at` over every key tile in `keys` (whole tiles
     /// but at `len_kv`) it can see, leaving the unnormalised output in `o`,
-    /// the row maxima in `max` and the row sums in `sum`.
+    /// the row maxima in `max` and the row sums in `sum`. `result` is how
+    /// exact the weights must be for what the caller makes of them (a half
+    /// output needs no more than `Half`).
     pub(crate) fn attend<K: Kernel, S: TileSource, KV: Float, Q: Query>(
         &mut self,
         kernel: K,
@@ -398,6 +400,7 @@ impl QueryTile {
         at: &TilePosition,
         source: &S,
         keys: Range<usize>,
+        result: WeightPrecision,
     ) {
         let d_k = call.shape.d_k;
         let rows = S::computed_rows::<K>(at.rows);
@@ -460,7 +463,7 @@ impl QueryTile {
                 max: &mut self.max[..rows],
                 sum: &mut self.sum[..rows],
                 alpha: &mut self.alpha[..rows],
-                precision: S::WEIGHT_PRECISION,
+                precision: S::WEIGHT_PRECISION.looser(result),
                 scale: softmax_scale,
             });
             if width == 0 {

@@ -7,8 +7,8 @@
 //!
 //! The softmax's inputs are never positive, so it calls
 //! [`exp_of_nonpositive`] (the same bits without the clamp), or, where
-//! its weights are rounded to `bf16` next, [`exp_for_bf16_weights`] (a
-//! degree-4 polynomial, to 6e-6).
+//! its result is rounded to a half type next, [`exp_for_half_results`]
+//! (a degree-4 polynomial, to 6e-6).
 
 use super::vector::Vector;
 
@@ -96,8 +96,8 @@ pub(crate) unsafe fn exp_of_nonpositive<V: Vector>(x: V) -> V {
 
 /// Polynomial for e^r on [−ln2/2, ln2/2] to a relative error of 2.7e-6
 /// once rounded to `f32` (Lawson's algorithm in f64, as [`EXP_POLY`]):
-/// for weights rounded to `bf16` (a relative step of 2⁻⁸) right after.
-const EXP_POLY_FOR_BF16: [f32; 5] = [
+/// for results rounded to a half type (a relative step of 2⁻⁸ or 2⁻¹¹).
+const EXP_POLY_FOR_HALF: [f32; 5] = [
     0.999_999_3,
     0.999_963_4,
     0.500_043_6,
@@ -106,9 +106,10 @@ const EXP_POLY_FOR_BF16: [f32; 5] = [
 ];
 
 /// `e^x` for `x ≤ 0` (or NaN), to a relative error of 6e-6 (measured by
-/// `exp_for_bf16_weights_is_within_its_bound`): for softmax weights that
-/// are rounded to `bf16` next, whose rounding moves each by up to 2⁻⁹
-/// (2e-3), so this error is lost in it. [`exp_of_nonpositive`] with a
+/// `exp_for_half_results_is_within_its_bound`): for softmax weights whose
+/// result is rounded to a half type next (`bf16` weights, or a `bf16` or
+/// `f16` output), a rounding of up to 2⁻⁹ or 2⁻¹² (2e-3, 2.4e-4) that
+/// this error is lost in. [`exp_of_nonpositive`] with a
 /// degree-4 polynomial and `ln 2` in one constant (its rounding,
 /// `|n|·2.4e-8`, is at most 3e-6 for `n ≥ −126`): three instructions
 /// fewer a vector. `−inf` gives 0 and NaN gives NaN, as there.
@@ -116,15 +117,15 @@ const EXP_POLY_FOR_BF16: [f32; 5] = [
 /// # Safety
 /// The CPU has `V`'s instruction set.
 #[inline(always)]
-pub(crate) unsafe fn exp_for_bf16_weights<V: Vector>(x: V) -> V {
+pub(crate) unsafe fn exp_for_half_results<V: Vector>(x: V) -> V {
     // SAFETY: the caller guarantees V's instruction set, and only register
     // operations follow.
     unsafe {
         let magic = V::splat(ROUND_MAGIC);
         let n = x.mul_add(V::splat(LOG2_E), magic).sub(magic);
         let r = n.mul_add(V::splat(-std::f32::consts::LN_2), x);
-        let mut p = V::splat(EXP_POLY_FOR_BF16[4]);
-        for &c in EXP_POLY_FOR_BF16[..4].iter().rev() {
+        let mut p = V::splat(EXP_POLY_FOR_HALF[4]);
+        for &c in EXP_POLY_FOR_HALF[..4].iter().rev() {
             p = p.mul_add(r, V::splat(c));
         }
         x.zero_where_less(V::splat(EXP_MIN_INPUT), p.scale_by_exp2(n))

@@ -8,7 +8,7 @@
 //! Masked scores are `−inf` on entry and leave as exactly 0; a row that has
 //! seen no key yet becomes 0, never NaN.
 
-use super::exp::{exp, exp_for_bf16_weights, exp_of_nonpositive};
+use super::exp::{exp, exp_for_half_results, exp_of_nonpositive};
 use super::kernel::KernelOp;
 use super::vector::Vector;
 
@@ -39,17 +39,30 @@ pub(crate) struct SoftmaxRows<'a> {
     pub scale: f32,
 }
 
-/// How exact a softmax's weights must be: as exact as the product that
-/// reads them keeps them.
+/// How exact a softmax's weights must be: as exact as what is made of
+/// them keeps them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WeightPrecision {
-    /// Used as `f32`: within 2 ulp of `e^x` ([`exp_of_nonpositive`]).
-    F32,
-    /// Rounded to `bf16` before the product (`P·V` on `bf16` pairs): within
-    /// 6e-6 of `e^x` ([`exp_for_bf16_weights`]), three instructions a
-    /// vector cheaper, against the rounding's 2⁻⁹.
+    /// For an `f32` result: within 2 ulp of `e^x` ([`exp_of_nonpositive`]).
+    Full,
+    /// For a result rounded to a half type next: `bf16` weights in `P·V`
+    /// (the native bf16 prefill), or a `bf16`/`f16` output. Within 6e-6 of
+    /// `e^x` ([`exp_for_half_results`]), three instructions a vector
+    /// cheaper, against a rounding of 2⁻⁹ (`bf16`) or 2⁻¹² (`f16`).
     #[cfg_attr(not(feature = "half"), allow(dead_code))]
-    Bf16,
+    Half,
+}
+
+impl WeightPrecision {
+    /// The looser of the two: a result rounded to half precision anywhere
+    /// needs no more than `Half`.
+    pub(crate) fn looser(self, other: Self) -> Self {
+        if self == Self::Half || other == Self::Half {
+            Self::Half
+        } else {
+            Self::Full
+        }
+    }
 }
 
 impl KernelOp for SoftmaxRows<'_> {
@@ -137,8 +150,8 @@ impl KernelOp for SoftmaxRows<'_> {
                     }
                     let shift = V::splat(-new_max[r]);
                     *row_sum = match precision {
-                        WeightPrecision::F32 => weights_row::<V, false>(row, keys, c, shift),
-                        WeightPrecision::Bf16 => weights_row::<V, true>(row, keys, c, shift),
+                        WeightPrecision::Full => weights_row::<V, false>(row, keys, c, shift),
+                        WeightPrecision::Half => weights_row::<V, true>(row, keys, c, shift),
                     };
                 }
                 // ℓ' = α·ℓ + Σ_j s[j]; α = e^(−inf) = 0 on a row's first
@@ -158,12 +171,12 @@ impl KernelOp for SoftmaxRows<'_> {
 
 /// `row[j] ← e^(c·row[j] + shift)` for the `keys` entries of `row` (a
 /// multiple of `LANES`, every exponent ≤ 0 or NaN), with the `exp` that
-/// `FOR_BF16` asks for; returns the weights' sum in each lane.
+/// `FOR_HALF` asks for; returns the weights' sum in each lane.
 ///
 /// # Safety
 /// The CPU has `V`'s instruction set; `row` has `keys` entries.
 #[inline(always)]
-unsafe fn weights_row<V: Vector, const FOR_BF16: bool>(
+unsafe fn weights_row<V: Vector, const FOR_HALF: bool>(
     row: *mut f32,
     keys: usize,
     c: V,
@@ -174,8 +187,8 @@ unsafe fn weights_row<V: Vector, const FOR_BF16: bool>(
         let mut sum = V::splat(0.0);
         for j in (0..keys).step_by(V::LANES) {
             let x = V::load(row.add(j)).mul_add(c, shift);
-            let p = if FOR_BF16 {
-                exp_for_bf16_weights(x)
+            let p = if FOR_HALF {
+                exp_for_half_results(x)
             } else {
                 exp_of_nonpositive(x)
             };

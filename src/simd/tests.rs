@@ -2,7 +2,7 @@
 
 use ndarray::ArrayView2;
 
-use super::exp::{EXP_MIN_INPUT, exp, exp_for_bf16_weights, exp_of_nonpositive};
+use super::exp::{EXP_MIN_INPUT, exp, exp_for_half_results, exp_of_nonpositive};
 use super::kernel::KernelOp;
 use super::vector::Vector;
 use super::{
@@ -33,8 +33,8 @@ enum ExpKind {
     General,
     /// [`exp_of_nonpositive`], the softmax's.
     Nonpositive,
-    /// [`exp_for_bf16_weights`].
-    ForBf16,
+    /// [`exp_for_half_results`].
+    ForHalf,
 }
 
 /// `e^x` in place, `V::LANES` at a time (the last few through a padded
@@ -51,7 +51,7 @@ impl ExpInPlace<'_> {
             match kind {
                 ExpKind::General => exp(x),
                 ExpKind::Nonpositive => exp_of_nonpositive(x),
-                ExpKind::ForBf16 => exp_for_bf16_weights(x),
+                ExpKind::ForHalf => exp_for_half_results(x),
             }
         }
     }
@@ -245,9 +245,9 @@ fn exp_of_nonpositive_gives_the_bits_of_exp() {
 }
 
 #[test]
-fn exp_for_bf16_weights_is_within_its_bound() {
+fn exp_for_half_results_is_within_its_bound() {
     let x = shifted_scores();
-    for (set, (_, y)) in for_each_kernel_set(Exp(x.clone(), ExpKind::ForBf16)) {
+    for (set, (_, y)) in for_each_kernel_set(Exp(x.clone(), ExpKind::ForHalf)) {
         let mut worst = 0.0f64;
         for (&x, &y) in x.iter().zip(&y) {
             if x.is_nan() {
@@ -341,7 +341,7 @@ impl WithKernel for TileCheck {
         let mut max = vec![0.5f32; rows];
         let mut sum = vec![2.0f32; rows];
         let mut alpha = vec![f32::NAN; rows];
-        // The weights for `bf16` too, from the same state, checked to their
+        // The weights for a half result too, from the same state, checked to their
         // own bound below.
         let mut coarse = s.clone();
         let (mut coarse_max, mut coarse_sum, mut coarse_alpha) =
@@ -353,7 +353,7 @@ impl WithKernel for TileCheck {
             max: &mut coarse_max,
             sum: &mut coarse_sum,
             alpha: &mut coarse_alpha,
-            precision: WeightPrecision::Bf16,
+            precision: WeightPrecision::Half,
             scale: 1.0,
         });
         // And with the scale applied by the pass, to scores not yet scaled
@@ -368,7 +368,7 @@ impl WithKernel for TileCheck {
             max: &mut unscaled_max,
             sum: &mut unscaled_sum,
             alpha: &mut unscaled_alpha,
-            precision: WeightPrecision::F32,
+            precision: WeightPrecision::Full,
             scale: 0.125,
         });
         kernel.softmax_rows(SoftmaxRows {
@@ -378,7 +378,7 @@ impl WithKernel for TileCheck {
             max: &mut max,
             sum: &mut sum,
             alpha: &mut alpha,
-            precision: WeightPrecision::F32,
+            precision: WeightPrecision::Full,
             scale: 1.0,
         });
         // A power of two scales exactly, so the fused multiply-add gives
@@ -398,7 +398,7 @@ impl WithKernel for TileCheck {
                 let (coarse, exact) = (coarse[r * stride + j], s[r * stride + j]);
                 assert!(
                     (coarse - exact).abs() <= 7e-6 * exact,
-                    "{}: bf16 weight [{r}][{j}] {coarse} against {exact}",
+                    "{}: half-result weight [{r}][{j}] {coarse} against {exact}",
                     K::SET
                 );
             }
@@ -652,7 +652,7 @@ fn a_row_that_sees_nothing_gives_zeros_and_alpha_one() {
         type Output = ();
         fn run<K: Kernel>(self, kernel: K) {
             let keys = K::KEY_PANEL;
-            for precision in [WeightPrecision::F32, WeightPrecision::Bf16] {
+            for precision in [WeightPrecision::Full, WeightPrecision::Half] {
                 let mut s = vec![f32::NEG_INFINITY; keys];
                 let (mut max, mut sum, mut alpha) =
                     (vec![f32::NEG_INFINITY], vec![0.0], vec![f32::NAN]);

@@ -280,7 +280,10 @@ fn the_native_path_is_taken_and_differs_from_converting_only_by_the_weights_on(e
         differing > 0,
         "the bf16 weights change some outputs: the native path ran"
     );
-    // Told to convert, a bf16 call is the f32 path rounded once.
+    // Told to convert, a bf16 call is the f32 path rounded once, but for
+    // the softmax's `exp`, which a half output lets be looser (6e-6): an
+    // output one bf16 step away where the f32 result lies that close to
+    // a rounding boundary.
     let told_to_convert = with_bf16_dot(false, || {
         with_kernel_set(engine.set, || {
             scaled_dot_product_attention(c.q.view(), c.k.view(), c.v.view(), &opts)
@@ -288,8 +291,14 @@ fn the_native_path_is_taken_and_differs_from_converting_only_by_the_weights_on(e
     })
     .expect("the set runs")
     .expect("the call runs");
-    assert_eq!(told_to_convert, converted);
     let max_v = c.max_abs_v();
+    for (a, b) in told_to_convert.iter().zip(&f32_path) {
+        let bound = b.abs() as f64 / 256.0 + 2e-5 * max_v;
+        assert!(
+            (a.to_f64() - f64::from(*b)).abs() <= bound,
+            "converted: {a} against {b}"
+        );
+    }
     for (a, b) in got.iter().zip(&f32_path) {
         let bound = max_v / 256.0 + b.abs() as f64 / 256.0 + 1e-6;
         assert!(
