@@ -85,8 +85,19 @@ pub(crate) trait Query: simd::Load + num_traits::Float {
     /// never `f32` projections, which are never rounded.
     #[cfg_attr(not(feature = "half"), allow(dead_code))]
     fn all_bf16(q: &ArrayView4<'_, Self>) -> bool;
+
+    /// Writes `row` as `bf16` pairs along `d_k` (`pairs.len() =
+    /// ⌈row.len()/2⌉`, the first of each pair in its low half, an odd
+    /// row's last pair padded with 0): the `bf16` prefill's queries, taken
+    /// where [`all_bf16`](Self::all_bf16) held, so the bits are exact.
+    #[cfg_attr(not(feature = "half"), allow(dead_code))]
+    fn bf16_pairs(row: &[Self], pairs: &mut [u32]);
 }
 impl Query for f32 {
+    fn bf16_pairs(row: &[f32], pairs: &mut [u32]) {
+        tile::bf16_pairs(row, pairs);
+    }
+
     fn all_bf16(q: &ArrayView4<'_, f32>) -> bool {
         // One pass without an early exit: an OR of the bits vectorizes.
         let low_bits = |x: &f32| x.to_bits() & 0xffff;
@@ -102,11 +113,34 @@ impl Query for half::bf16 {
     fn all_bf16(_: &ArrayView4<'_, half::bf16>) -> bool {
         true
     }
+
+    fn bf16_pairs(row: &[half::bf16], pairs: &mut [u32]) {
+        // A copy of the bits: on a little-endian CPU (every one with the
+        // `bf16` products) the first `u16` of a `u32` is its low half.
+        let halves: &mut [u16] = bytemuck::cast_slice_mut(pairs);
+        if cfg!(target_endian = "little") {
+            halves[..row.len()].copy_from_slice(bytemuck::cast_slice(row));
+            halves[row.len()..].fill(0);
+        } else {
+            let widened: Vec<f32> = row.iter().map(|x| x.to_f32()).collect();
+            tile::bf16_pairs(&widened, pairs);
+        }
+    }
 }
 #[cfg(feature = "half")]
 impl Query for half::f16 {
     fn all_bf16(_: &ArrayView4<'_, half::f16>) -> bool {
         false
+    }
+
+    fn bf16_pairs(row: &[half::f16], pairs: &mut [u32]) {
+        // Never called (`all_bf16` is false); rounded, to be a right
+        // answer all the same.
+        let rounded: Vec<f32> = row
+            .iter()
+            .map(|x| half::bf16::from_f32(x.to_f32()).to_f32())
+            .collect();
+        tile::bf16_pairs(&rounded, pairs);
     }
 }
 
@@ -212,4 +246,36 @@ pub(crate) fn backward(
 ) -> Result<(), AttentionError> {
     let job = backward::Backward { call, gradients };
     simd::with_kernel(simd::current_kernel_set()?, job)?
+}
+
+#[cfg(all(test, feature = "half"))]
+mod tests {
+    use half::{bf16, f16};
+
+    use super::Query;
+
+    /// The pairs of `bf16` queries (their bits copied) are those of the
+    /// same numbers in `f32` (their top halves), for even and odd rows;
+    /// `f16` queries (never paired) round to the same.
+    #[test]
+    fn query_pairs_agree_across_types() {
+        for d in [1usize, 2, 7, 64, 65] {
+            let row: Vec<bf16> = (0..d)
+                .map(|i| bf16::from_f32((i as f32 - 3.3) * 0.37))
+                .collect();
+            let widened: Vec<f32> = row.iter().map(|x| x.to_f32()).collect();
+            let halves: Vec<f16> = widened.iter().map(|&x| f16::from_f32(x)).collect();
+            let pairs = |write: &dyn Fn(&mut [u32])| {
+                let mut pairs = vec![u32::MAX; d.div_ceil(2)];
+                write(&mut pairs);
+                pairs
+            };
+            let from_f32 = pairs(&|p| f32::bf16_pairs(&widened, p));
+            assert_eq!(pairs(&|p| bf16::bf16_pairs(&row, p)), from_f32, "d {d}");
+            assert_eq!(pairs(&|p| f16::bf16_pairs(&halves, p)), from_f32, "d {d}");
+            if d % 2 == 1 {
+                assert_eq!(from_f32[d / 2] >> 16, 0, "an odd row's padding");
+            }
+        }
+    }
 }

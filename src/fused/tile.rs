@@ -481,11 +481,12 @@ impl QueryTile {
     /// rows up to `rows` are zero. Scaling Q once costs `len_q·d_k`
     /// multiplies instead of `len_q·len_kv`.
     ///
-    /// With `paired`, the rows are copied unscaled and also taken into
-    /// `q_pairs` as `bf16` (exact: a `bf16` call's queries); the scores kernel
-    /// applies the scale. `q_max_abs` is then `max|q|·max(|scale|, 1)`,
-    /// which bounds the unscaled products the kernel sums as well as the
-    /// scaled scores.
+    /// With `paired`, the rows go into `q_pairs` instead, unscaled, as
+    /// `bf16` pairs (exact: [`Query::all_bf16`] held), straight from the
+    /// caller's rows where they are contiguous; the scores kernel applies
+    /// the scale. `q_max_abs` is then `max|q|·max(|scale|, 1)`, which
+    /// bounds the unscaled products the kernel sums as well as the scaled
+    /// scores.
     fn load_queries<K: Kernel, KV, Q: Query>(
         &mut self,
         kernel: K,
@@ -495,30 +496,37 @@ impl QueryTile {
         paired: bool,
     ) {
         let d_k = call.shape.d_k;
-        let scale = if paired { 1.0 } else { call.scale };
         let q_head = crate::call::head(&call.q, at.b, at.h);
+        let tile_rows = q_head.rows().into_iter().skip(at.i0).take(at.rows);
+        if paired {
+            let d_pairs = d_k.div_ceil(2);
+            // Padding rows are zero: their scores are computed and dropped.
+            self.q_pairs[at.rows.min(rows) * d_pairs..rows * d_pairs].fill(0);
+            let mut max_abs = 0.0f32;
+            for (query, pairs) in tile_rows.zip(self.q_pairs.chunks_exact_mut(d_pairs)) {
+                let row_max = match query.as_slice() {
+                    Some(row) => {
+                        Q::bf16_pairs(row, pairs);
+                        kernel.max_abs(row)
+                    }
+                    None => {
+                        let widened = &mut self.q[..d_k];
+                        scaled_row(kernel, query, widened, 1.0);
+                        bf16_pairs(widened, pairs);
+                        kernel.max_abs(widened)
+                    }
+                };
+                max_abs = max_abs.max(row_max);
+            }
+            self.q_max_abs = max_abs * call.scale.abs().max(1.0);
+            return;
+        }
         // Padding rows are zero: their scores are computed and dropped.
         self.q[at.rows.min(rows) * d_k..rows * d_k].fill(0.0);
-        for (query, packed) in q_head
-            .rows()
-            .into_iter()
-            .skip(at.i0)
-            .take(at.rows)
-            .zip(self.q.chunks_exact_mut(d_k))
-        {
-            scaled_row(kernel, query, packed, scale);
+        for (query, packed) in tile_rows.zip(self.q.chunks_exact_mut(d_k)) {
+            scaled_row(kernel, query, packed, call.scale);
         }
         self.q_max_abs = kernel.max_abs(&self.q[..rows * d_k]);
-        if paired {
-            self.q_max_abs *= call.scale.abs().max(1.0);
-            let d_pairs = d_k.div_ceil(2);
-            for (query, pairs) in self.q[..rows * d_k]
-                .chunks_exact(d_k)
-                .zip(self.q_pairs.chunks_exact_mut(d_pairs))
-            {
-                bf16_pairs(query, pairs);
-            }
-        }
     }
 
     /// Writes `O / ℓ` for the tile's rows into `out_tile`, and `m + ln ℓ`

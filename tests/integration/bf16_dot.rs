@@ -531,3 +531,36 @@ fn a_bf16_cache_prefill_with_bf16_queries_takes_the_native_path_on(engine: Engin
         "{engine:?}"
     );
 }
+
+#[test]
+fn strided_queries_give_the_bits_of_contiguous_ones() {
+    engines()
+        .into_iter()
+        .for_each(strided_queries_give_the_bits_of_contiguous_ones_on);
+}
+
+/// Queries whose rows are not contiguous (every other column of a wider
+/// array) take the widening copy instead of the bits as they are: the
+/// same pairs, so the same output, for even and odd head dims.
+fn strided_queries_give_the_bits_of_contiguous_ones_on(engine: Engine) {
+    for d_k in [64, 33] {
+        let shape = [1, 2, 2, 70, 90, d_k, 16];
+        let c = Case::new(shape, 77);
+        let mut wide = Array4::from_elem((1, 2, 70, 2 * d_k), bf16::from_f32(f32::NAN));
+        wide.slice_mut(s![.., .., .., ..;2]).assign(&c.q);
+        let strided = wide.slice(s![.., .., .., ..;2]);
+        assert!(strided.as_slice().is_none());
+        let opts = AttentionOptions::new().causal();
+        let contiguous = run(engine, &c.q, &c.k, &c.v, &opts);
+        let from_strided = with_bf16_dot(true, || {
+            with_amx(engine.amx, || {
+                with_kernel_set(engine.set, || {
+                    scaled_dot_product_attention(strided, c.k.view(), c.v.view(), &opts)
+                })
+            })
+        })
+        .expect("the set runs")
+        .expect("the call runs");
+        assert_eq!(from_strided, contiguous, "d_k {d_k}");
+    }
+}
