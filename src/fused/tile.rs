@@ -555,6 +555,9 @@ impl QueryTile {
         sink: Option<f32>,
     ) {
         let mut log_sum_exp = log_sum_exp;
+        // A row's log-sum-exp costs a `ln`: only for a caller or a sink
+        // that reads it (else the value below is never read).
+        let lse_read = log_sum_exp.is_some() || sink.is_some();
         let d_v = out_tile.ncols();
         for r in 0..at.rows {
             let sum = self.sum[r];
@@ -563,7 +566,11 @@ impl QueryTile {
             let mut lse = if sum != 0.0 {
                 // A NaN sum gives NaN in both.
                 kernel.divided_copy(o, row, sum);
-                self.max[r] + sum.ln()
+                if lse_read {
+                    self.max[r] + sum.ln()
+                } else {
+                    f32::NAN
+                }
             } else if call.has_unhidden_key(at.b, at.h, at.i0 + r, keys.clone()) {
                 row.fill(f32::NAN);
                 f32::NEG_INFINITY
