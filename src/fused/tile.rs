@@ -257,7 +257,8 @@ pub(crate) trait TileSource {
     const PAIRED_QUERIES: bool = false;
 
     /// How exact the softmax's weights must be for
-    /// [`tile_values`](Self::tile_values): `bf16` where it rounds them so.
+    /// [`tile_values`](Self::tile_values): `Half` where it rounds them to
+    /// `bf16`.
     const WEIGHT_PRECISION: WeightPrecision = WeightPrecision::Full;
 
     /// Rows the scores kernel computes for a tile of `rows` real rows.

@@ -5,7 +5,8 @@
 //! exponent bits (`Vector::scale_by_exp2`). Measured maximum error on [−87.3, 0]: see the doc of
 //! [`exp`] and the test `exp_is_within_two_ulp_exhaustively`.
 //!
-//! The softmax's inputs are never positive, so it calls
+//! The softmax's inputs are never positive (but for a rounding when it
+//! applies the scale itself), so it calls
 //! [`exp_of_nonpositive`] (the same bits without the clamp), or, where
 //! its result is rounded to a half type next, [`exp_for_half_results`]
 //! (a degree-4 polynomial, to 6e-6).
@@ -67,9 +68,9 @@ pub(crate) unsafe fn exp<V: Vector>(x: V) -> V {
 }
 
 /// [`exp`] without its clamp from above, for inputs known to be at most
-/// [`EXP_MAX_INPUT`] (or NaN): the softmax's shifted scores `s − max`,
-/// which are never positive. The same bits as [`exp`] for every such
-/// input; two instructions fewer a vector.
+/// [`EXP_MAX_INPUT`] (or NaN): the softmax's shifted scores `c·s − m`,
+/// never positive but for a rounding. The same bits as [`exp`] for every
+/// such input; two instructions fewer a vector.
 ///
 /// Lanes below [`EXP_MIN_INPUT`] (`−inf` among them) reduce to numbers
 /// that mean nothing, even NaN, and the last step replaces them with 0:
@@ -105,7 +106,8 @@ const EXP_POLY_FOR_HALF: [f32; 5] = [
     0.041_458_607,
 ];
 
-/// `e^x` for `x ≤ 0` (or NaN), to a relative error of 6e-6 (measured by
+/// `e^x` for `x ≤ 0` (or NaN; a rounding above 0 is as good), to a
+/// relative error of 6e-6 (measured by
 /// `exp_for_half_results_is_within_its_bound`): for softmax weights whose
 /// result is rounded to a half type next (`bf16` weights, or a `bf16` or
 /// `f16` output), a rounding of up to 2⁻⁹ or 2⁻¹² (2e-3, 2.4e-4) that

@@ -170,7 +170,8 @@ impl KernelOp for SoftmaxRows<'_> {
 }
 
 /// `row[j] ← e^(c·row[j] + shift)` for the `keys` entries of `row` (a
-/// multiple of `LANES`, every exponent ≤ 0 or NaN), with the `exp` that
+/// multiple of `LANES`, every exponent ≤ 0, or above it by the rounding
+/// of `m = fl(c·max)`, or NaN), with the `exp` that
 /// `FOR_HALF` asks for; returns the weights' sum in each lane.
 ///
 /// # Safety
