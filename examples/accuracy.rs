@@ -149,24 +149,28 @@ fn fast_call(
     k: &Array4<f64>,
     v: &Array4<f64>,
 ) -> Result<Array4<f64>, sdpa::AttentionError> {
-    if input != Input::F32 {
-        return half_call(input, set, causal, q, k, v);
+    match input {
+        Input::F32 => {
+            Ok(call(set, causal, [q, k, v].map(|x| x.mapv(|x| x as f32)))?.mapv(f64::from))
+        }
+        Input::Bf16 | Input::F16 => half_call(input, set, causal, q, k, v),
     }
+}
+
+/// The forward on kernel set `set` in the inputs' own type.
+fn call<T: sdpa::Storage>(
+    set: sdpa::simd::KernelSet,
+    causal: bool,
+    [q, k, v]: [Array4<T>; 3],
+) -> Result<Array4<T>, sdpa::AttentionError> {
     let opts = if causal {
         AttentionOptions::new().causal()
     } else {
         AttentionOptions::new()
     };
-    let to_f32 = |x: &Array4<f64>| x.mapv(|x| x as f32);
-    let fast = sdpa::simd::with_kernel_set(set, || {
-        sdpa::scaled_dot_product_attention(
-            to_f32(q).view(),
-            to_f32(k).view(),
-            to_f32(v).view(),
-            &opts,
-        )
-    })??;
-    Ok(fast.mapv(f64::from))
+    sdpa::simd::with_kernel_set(set, || {
+        sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
+    })?
 }
 
 /// One line: `max |err| / max |ref|` and `‖err‖ / ‖ref‖`.
@@ -219,20 +223,6 @@ fn half_call(
     k: &Array4<f64>,
     v: &Array4<f64>,
 ) -> Result<Array4<f64>, sdpa::AttentionError> {
-    fn call<T: sdpa::Storage>(
-        set: sdpa::simd::KernelSet,
-        causal: bool,
-        [q, k, v]: [Array4<T>; 3],
-    ) -> Result<Array4<T>, sdpa::AttentionError> {
-        let opts = if causal {
-            AttentionOptions::new().causal()
-        } else {
-            AttentionOptions::new()
-        };
-        sdpa::simd::with_kernel_set(set, || {
-            sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
-        })?
-    }
     use half::{bf16, f16};
     Ok(match input {
         Input::F16 => {
