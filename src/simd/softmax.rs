@@ -149,9 +149,23 @@ impl KernelOp for SoftmaxRows<'_> {
                         continue;
                     }
                     let shift = V::splat(-new_max[r]);
-                    *row_sum = match precision {
-                        WeightPrecision::Full => weights_row::<V, false>(row, keys, c, shift),
-                        WeightPrecision::Half => weights_row::<V, true>(row, keys, c, shift),
+                    // `1·s + shift` is `s + shift` to the bit: an add, not
+                    // a multiply-add, when the scores come scaled. On Zen 4
+                    // adds run beside the two FMA pipes, which the `exp`
+                    // keeps busy.
+                    *row_sum = match (precision, scale == 1.0) {
+                        (WeightPrecision::Full, true) => {
+                            weights_row::<V, false, false>(row, keys, c, shift)
+                        }
+                        (WeightPrecision::Full, false) => {
+                            weights_row::<V, false, true>(row, keys, c, shift)
+                        }
+                        (WeightPrecision::Half, true) => {
+                            weights_row::<V, true, false>(row, keys, c, shift)
+                        }
+                        (WeightPrecision::Half, false) => {
+                            weights_row::<V, true, true>(row, keys, c, shift)
+                        }
                     };
                 }
                 // ℓ' = α·ℓ + Σ_j s[j]; α = e^(−inf) = 0 on a row's first
@@ -172,12 +186,13 @@ impl KernelOp for SoftmaxRows<'_> {
 /// `row[j] ← e^(c·row[j] + shift)` for the `keys` entries of `row` (a
 /// multiple of `LANES`, every exponent ≤ 0, or above it by the rounding
 /// of `m = fl(c·max)`, or NaN), with the `exp` that
-/// `FOR_HALF` asks for; returns the weights' sum in each lane.
+/// `FOR_HALF` asks for; returns the weights' sum in each lane. Without
+/// `SCALED`, `c` is 1 and is not multiplied in.
 ///
 /// # Safety
 /// The CPU has `V`'s instruction set; `row` has `keys` entries.
 #[inline(always)]
-unsafe fn weights_row<V: Vector, const FOR_HALF: bool>(
+unsafe fn weights_row<V: Vector, const FOR_HALF: bool, const SCALED: bool>(
     row: *mut f32,
     keys: usize,
     c: V,
@@ -187,7 +202,12 @@ unsafe fn weights_row<V: Vector, const FOR_HALF: bool>(
     unsafe {
         let mut sum = V::splat(0.0);
         for j in (0..keys).step_by(V::LANES) {
-            let x = V::load(row.add(j)).mul_add(c, shift);
+            let s = V::load(row.add(j));
+            let x = if SCALED {
+                s.mul_add(c, shift)
+            } else {
+                s.add(shift)
+            };
             let p = if FOR_HALF {
                 exp_for_half_results(x)
             } else {

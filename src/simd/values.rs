@@ -262,11 +262,22 @@ impl<E: Load> ValueBlock<E> {
                     }
                 }
             }
+            // O ← α·O + acc, or O + acc where every α is 1 (no row's
+            // maximum moved: most tiles once a row has seen a few), the
+            // same bits (`1·o` is exact) with an add, which Zen 4 runs
+            // beside its two FMA pipes.
+            let alphas: [f32; MR] = std::array::from_fn(|r| *self.alpha.add(r));
+            let unscaled = alphas.iter().all(|&a| a == 1.0);
             for (r, acc_row) in acc.iter().enumerate() {
-                let a = V::splat(*self.alpha.add(r));
+                let a = V::splat(alphas[r]);
                 for (c, x) in acc_row.iter().enumerate() {
                     let o = self.o.add(r * self.value_width + column + c * V::LANES);
-                    V::load(o).mul_add(a, *x).store(o);
+                    let o_new = if unscaled {
+                        V::load(o).add(*x)
+                    } else {
+                        V::load(o).mul_add(a, *x)
+                    };
+                    o_new.store(o);
                 }
             }
         }
