@@ -186,6 +186,48 @@ unsafe impl Vector for __m512 {
         // SAFETY: as in `reduce_sums`.
         unsafe { transposed_reduce(rows, |a, b| _mm512_max_ps(a, b)) }
     }
+    const TRANSPOSES_IN_REGISTERS: bool = true;
+    /// 64 shuffles in four rounds, as [`transposed_reduce`]'s, keeping
+    /// both halves of each pairing where that folds them.
+    #[inline(always)]
+    unsafe fn transpose(rows: &mut [Self]) {
+        assert_eq!(rows.len(), 16);
+        // SAFETY: AVX-512F (the caller's).
+        unsafe {
+            // Round 1: per 128-bit lane k, [a(4k), b(4k), a(4k+1),
+            // b(4k+1)] and [a(4k+2), b(4k+2), a(4k+3), b(4k+3)].
+            let mut two = [_mm512_setzero_ps(); 16];
+            for i in 0..8 {
+                let (a, b) = (rows[2 * i], rows[2 * i + 1]);
+                two[2 * i] = _mm512_unpacklo_ps(a, b);
+                two[2 * i + 1] = _mm512_unpackhi_ps(a, b);
+            }
+            // Round 2: `four[4g + c]` holds column 4k + c of rows
+            // 4g..4g + 4 in its 128-bit lane k.
+            let mut four = [_mm512_setzero_ps(); 16];
+            for g in 0..4 {
+                let pair = |i: usize| _mm512_castps_pd(two[4 * g + i]);
+                let (ab_low, ab_high, cd_low, cd_high) = (pair(0), pair(1), pair(2), pair(3));
+                four[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(ab_low, cd_low));
+                four[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(ab_low, cd_low));
+                four[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(ab_high, cd_high));
+                four[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(ab_high, cd_high));
+            }
+            // Rounds 3 and 4: column 4k + c is lane k of four[c],
+            // four[4 + c], four[8 + c], four[12 + c], in that order.
+            for c in 0..4 {
+                let (w, x, y, z) = (four[c], four[4 + c], four[8 + c], four[12 + c]);
+                let wx_low = _mm512_shuffle_f32x4::<0b01_00_01_00>(w, x);
+                let yz_low = _mm512_shuffle_f32x4::<0b01_00_01_00>(y, z);
+                let wx_high = _mm512_shuffle_f32x4::<0b11_10_11_10>(w, x);
+                let yz_high = _mm512_shuffle_f32x4::<0b11_10_11_10>(y, z);
+                rows[c] = _mm512_shuffle_f32x4::<0b10_00_10_00>(wx_low, yz_low);
+                rows[4 + c] = _mm512_shuffle_f32x4::<0b11_01_11_01>(wx_low, yz_low);
+                rows[8 + c] = _mm512_shuffle_f32x4::<0b10_00_10_00>(wx_high, yz_high);
+                rows[12 + c] = _mm512_shuffle_f32x4::<0b11_01_11_01>(wx_high, yz_high);
+            }
+        }
+    }
     #[inline(always)]
     unsafe fn prefetch(ptr: *const u8) {
         // SAFETY: SSE (part of x86-64); a prefetch never faults, whatever

@@ -56,12 +56,33 @@ impl KernelOp for PackPanels<'_> {
         // gather's offsets (checked above); key `j`'s column and the
         // `LANES` after it lie in one panel (`j` is a multiple of `LANES`,
         // as is `panel`), inside `panels` (`j < padded`, checked above).
+        // Rows of contiguous numbers are loaded `LANES` at a time and
+        // transposed in registers where the set can: a gather costs one
+        // load per lane (on Zen 4 the gathers were four fifths of this
+        // copy, itself 4% of a 256-token forward).
+        let by_blocks = V::TRANSPOSES_IN_REGISTERS && column_stride == 1;
         let mut bound = unsafe {
             let mut bound = MagnitudeBound::<V>::new();
             for j in (0..whole).step_by(V::LANES) {
                 let first = from.offset(j as isize * row_stride);
                 let out = to.add(column(j));
-                for d in 0..width {
+                let mut d = 0;
+                while by_blocks && d + V::LANES <= width {
+                    // Row i of the block: key j + i's numbers d.. (LANES of
+                    // them, inside its row); after the transpose, row dd
+                    // is number d + dd of the LANES keys.
+                    let mut block = [V::splat(0.0); 16];
+                    for (i, row) in block.iter_mut().take(V::LANES).enumerate() {
+                        *row = V::load(first.offset(i as isize * row_stride).add(d));
+                    }
+                    V::transpose(&mut block[..V::LANES]);
+                    for (dd, &numbers) in block.iter().take(V::LANES).enumerate() {
+                        numbers.store(out.add((d + dd) * panel));
+                        bound.add(numbers);
+                    }
+                    d += V::LANES;
+                }
+                for d in d..width {
                     let numbers = V::gather(first.offset(d as isize * column_stride), row_stride);
                     numbers.store(out.add(d * panel));
                     bound.add(numbers);
@@ -133,7 +154,7 @@ mod tests {
                 panel + 3,
                 2 * panel + K::LANES,
             ] {
-                for width in [1, 3, 16, 17] {
+                for width in [1, 3, 16, 17, 33, 64] {
                     let keys = Array2::from_shape_fn((len, width), |(j, d)| {
                         ((j * 31 + d * 7) % 19) as f32 * 0.25 - 2.0
                     });
@@ -148,9 +169,11 @@ mod tests {
                     for bad in [f32::NAN, f32::NEG_INFINITY] {
                         for at in [0, len / 2, len.saturating_sub(1)] {
                             if len > 0 {
-                                let mut keys = keys.clone();
-                                keys[[at, width - 1]] = bad;
-                                check(keys.view(), "not finite");
+                                for column in [0, width - 1] {
+                                    let mut keys = keys.clone();
+                                    keys[[at, column]] = bad;
+                                    check(keys.view(), "not finite");
+                                }
                             }
                         }
                     }

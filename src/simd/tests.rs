@@ -608,6 +608,68 @@ impl KernelOp for ReduceRows<'_> {
     }
 }
 
+/// [`Vector::transpose`] of the `LANES × LANES` block `x` (row-major),
+/// stored back row by row, on one kernel set.
+struct TransposeBlock<'a>(&'a mut [f32]);
+
+impl KernelOp for TransposeBlock<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    unsafe fn run<
+        V: Vector,
+        const ROWS: usize,
+        const KEY_VECTORS: usize,
+        const VALUE_VECTORS: usize,
+    >(
+        self,
+    ) {
+        let x = self.0;
+        assert!(x.len() >= V::LANES * V::LANES);
+        // SAFETY: the caller guarantees V's instruction set; `x` holds
+        // LANES rows of LANES.
+        unsafe {
+            let mut rows: Vec<V> = (0..V::LANES)
+                .map(|r| V::load(x.as_ptr().add(r * V::LANES)))
+                .collect();
+            V::transpose(&mut rows);
+            for (r, row) in rows.iter().enumerate() {
+                row.store(x.as_mut_ptr().add(r * V::LANES));
+            }
+        }
+    }
+}
+
+#[test]
+fn transpose_moves_every_lane_to_its_mirror_on_every_set() {
+    #[derive(Clone)]
+    struct Check;
+    impl WithKernel for Check {
+        type Output = ();
+        fn run<K: Kernel>(self, kernel: K) {
+            let lanes = K::LANES;
+            // Every entry distinct, with a NaN payload and a −0 among them:
+            // a transpose moves bits, it does no arithmetic.
+            let mut x: Vec<f32> = (0..lanes * lanes).map(|i| i as f32 + 0.5).collect();
+            x[lanes * lanes - 1] = f32::from_bits(0x7fc0_1234);
+            x[0] = -0.0;
+            let before = x.clone();
+            kernel.run(TransposeBlock(&mut x));
+            for i in 0..lanes {
+                for j in 0..lanes {
+                    assert_eq!(
+                        x[j * lanes + i].to_bits(),
+                        before[i * lanes + j].to_bits(),
+                        "{}: ({i}, {j})",
+                        K::SET
+                    );
+                }
+            }
+        }
+    }
+    for_each_kernel_set(Check);
+}
+
 #[test]
 fn row_reductions_give_each_rows_sum_and_max_in_its_lane() {
     #[derive(Clone)]

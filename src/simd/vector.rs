@@ -189,6 +189,35 @@ pub(crate) unsafe trait Vector: Copy {
         // SAFETY: as in `reduce_sums`.
         unsafe { Self::load(maxes.as_ptr()) }
     }
+    /// Whether [`transpose`](Self::transpose) runs in registers (then a
+    /// transposing copy loads rows and transposes them), or goes through
+    /// memory (then it gathers columns instead).
+    const TRANSPOSES_IN_REGISTERS: bool = false;
+    /// Transposes the `LANES × LANES` block whose rows are `rows`: lane
+    /// `j` of row `i` becomes lane `i` of row `j`. By default through
+    /// memory; a set with a shuffle sequence for it overrides it.
+    ///
+    /// # Safety
+    /// The CPU has the instruction set of `Self`; `rows.len() == LANES`.
+    #[inline(always)]
+    unsafe fn transpose(rows: &mut [Self]) {
+        assert_eq!(rows.len(), Self::LANES);
+        let mut block = [[0.0f32; 16]; 16];
+        // SAFETY: the caller's instruction set; each row of `block` holds
+        // a vector (LANES ≤ 16, every set's), as does `column`.
+        unsafe {
+            for (row, stored) in rows.iter().zip(&mut block) {
+                row.store(stored.as_mut_ptr());
+            }
+            for (j, row) in rows.iter_mut().enumerate() {
+                let mut column = [0.0f32; 16];
+                for (i, x) in column.iter_mut().take(Self::LANES).enumerate() {
+                    *x = block[i][j];
+                }
+                *row = Self::load(column.as_ptr());
+            }
+        }
+    }
     /// Asks the CPU to start loading the cache line at `ptr` into L2 (a
     /// hint: any address is allowed, nothing is read). L2, not L1: a core
     /// tracks about 16 misses into L1 but 48 or more into L2, and a stream
