@@ -188,6 +188,42 @@ unsafe impl Vector for __m256 {
             _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)))
         }
     }
+    const TRANSPOSES_IN_REGISTERS: bool = true;
+    /// 24 shuffles in three rounds: pairs of rows interleaved, then
+    /// pairs of pairs, then the 128-bit halves exchanged.
+    #[inline(always)]
+    unsafe fn transpose(rows: &mut [Self]) {
+        assert_eq!(rows.len(), 8);
+        // SAFETY: AVX (the caller's AVX2 includes it).
+        unsafe {
+            // Round 1: per 128-bit half k, [a(4k), b(4k), a(4k+1), b(4k+1)]
+            // and [a(4k+2), b(4k+2), a(4k+3), b(4k+3)].
+            let mut two = [_mm256_setzero_ps(); 8];
+            for i in 0..4 {
+                let (a, b) = (rows[2 * i], rows[2 * i + 1]);
+                two[2 * i] = _mm256_unpacklo_ps(a, b);
+                two[2 * i + 1] = _mm256_unpackhi_ps(a, b);
+            }
+            // Round 2: `four[4g + c]` holds column 4k + c of rows
+            // 4g..4g + 4 in its half k.
+            let mut four = [_mm256_setzero_ps(); 8];
+            for g in 0..2 {
+                let (ab_low, ab_high) = (two[4 * g], two[4 * g + 1]);
+                let (cd_low, cd_high) = (two[4 * g + 2], two[4 * g + 3]);
+                four[4 * g] = _mm256_shuffle_ps::<0b01_00_01_00>(ab_low, cd_low);
+                four[4 * g + 1] = _mm256_shuffle_ps::<0b11_10_11_10>(ab_low, cd_low);
+                four[4 * g + 2] = _mm256_shuffle_ps::<0b01_00_01_00>(ab_high, cd_high);
+                four[4 * g + 3] = _mm256_shuffle_ps::<0b11_10_11_10>(ab_high, cd_high);
+            }
+            // Round 3: column c from the low halves of four[c] and
+            // four[4 + c], column 4 + c from their high halves.
+            for c in 0..4 {
+                let (top, bottom) = (four[c], four[4 + c]);
+                rows[c] = _mm256_permute2f128_ps::<0x20>(top, bottom);
+                rows[4 + c] = _mm256_permute2f128_ps::<0x31>(top, bottom);
+            }
+        }
+    }
     #[inline(always)]
     unsafe fn prefetch(ptr: *const u8) {
         // SAFETY: SSE (part of x86-64); a prefetch never faults, whatever
