@@ -13,7 +13,7 @@
 //! | `softmax.rs` | the online-softmax row pass; the backward's shifted `exp` |
 //! | `values.rs` | `O ← α·O + P·V` |
 //! | `layout.rs` | rows and strided weights read in place; prefetching |
-//! | `panels.rs` | key rows packed into the `Q·Kᵀ` kernel's panels (gathered), with their magnitude bound |
+//! | `panels.rs` | key rows packed into the `Q·Kᵀ` kernel's panels (transposed in registers, or gathered), with their magnitude bound |
 //! | `rows.rs` | the drivers' element-wise passes: scaled copies, magnitude bounds, finiteness, dot products |
 //! | `convert.rs` | `bf16` ↔ `f32` over slices, 16 at a time on AVX-512, bit for bit `half`'s |
 //! | `probe.rs` | [`fma_peak`], [`bf16_dot_peak`], [`amx_bf16_peak`] and [`read_rate`]: this core's limits, for benchmarks |
