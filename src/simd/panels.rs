@@ -1,6 +1,7 @@
 //! The key panels the score kernel reads ([`super::scores::Scores`]),
 //! packed from key rows: a transposing copy, a column of `LANES` keys at a
-//! time, gathered where the instruction set has a gather.
+//! time, by row loads and an in-register transpose where the set has one
+//! (AVX2, AVX-512), else gathered.
 //!
 //! Why a kernel: written as a loop in the driver, the copy stored one
 //! number at a time to a new cache line each (a key's numbers are a panel
