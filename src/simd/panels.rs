@@ -51,17 +51,19 @@ impl KernelOp for PackPanels<'_> {
         // Where key `j`'s first number goes.
         let column = |j: usize| (j / panel) * panel * width + j % panel;
         let (from, to) = (keys.as_ptr(), panels.as_mut_ptr());
+        // Rows of contiguous numbers are loaded `LANES` at a time and
+        // transposed in registers where the set can: a gather costs one
+        // load per lane (on Zen 4 the gathers were four fifths of this
+        // copy, itself 4% of a 256-token forward).
+        let by_blocks = V::TRANSPOSES_IN_REGISTERS && column_stride == 1;
         // SAFETY: the caller guarantees V's instruction set. Keys
         // `j..j + LANES` are below `whole ≤ len`, so every lane read is an
         // entry of `keys` (`from` offset by its strides) and fits the
         // gather's offsets (checked above); key `j`'s column and the
         // `LANES` after it lie in one panel (`j` is a multiple of `LANES`,
         // as is `panel`), inside `panels` (`j < padded`, checked above).
-        // Rows of contiguous numbers are loaded `LANES` at a time and
-        // transposed in registers where the set can: a gather costs one
-        // load per lane (on Zen 4 the gathers were four fifths of this
-        // copy, itself 4% of a 256-token forward).
-        let by_blocks = V::TRANSPOSES_IN_REGISTERS && column_stride == 1;
+        // A block's row i holds key j + i's numbers d..d + LANES, inside
+        // its row (`d + LANES ≤ width`, the numbers contiguous).
         let mut bound = unsafe {
             let mut bound = MagnitudeBound::<V>::new();
             for j in (0..whole).step_by(V::LANES) {
