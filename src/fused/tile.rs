@@ -421,10 +421,15 @@ impl QueryTile {
         // the scale to the softmax, which multiplies as it subtracts the
         // maximum (one pass less over the scores), when nothing between
         // reads scaled scores and a positive scale keeps each row's
-        // maximum where it is.
+        // maximum where it is. Not when the scores may overflow: a paired
+        // call's products, scaled or not, cannot (its prefill is taken
+        // only then, `pairs.rs`), so there the bound is past `f32::MAX`
+        // only for a NaN among the inputs, which scaling keeps NaN, and
+        // checking the unscaled scores marks what checking scaled ones
+        // would. A choice made from the bound would make the bits depend
+        // on NaN in keys no row sees.
         let scale_in_softmax = S::PAIRED_QUERIES
             && call.scale > 0.0
-            && !may_overflow
             && call.opts.softcap.is_none()
             && call.opts.bias.is_none()
             && call.opts.alibi.is_none();

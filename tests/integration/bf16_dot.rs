@@ -181,11 +181,12 @@ fn options<T: Copy + num_traits::Float + From<f32>>(
             .alibi(&store.slopes)
             .softcap(t(4.0))
             .sinks(&store.sinks),
-        _ => opts.scale(t(-0.4)),
+        7 => opts.scale(t(-0.4)),
+        _ => opts.keep_mask(store.keep.view()),
     }
 }
 
-const CASES: usize = 8;
+const CASES: usize = 9;
 
 /// One case's inputs and option data.
 struct Case {
@@ -361,7 +362,7 @@ fn nan_in_masked_keys_and_values_never_reaches_the_output() {
 
 fn nan_in_masked_keys_and_values_never_reaches_the_output_on(engine: Engine) {
     let shape = [2, 4, 2, 130, 200, 40, 24];
-    for case in [3, 4, 6] {
+    for case in [3, 4, 6, 8] {
         let mut c = Case::new(shape, 50 + case as u64);
         // Every seventh key hidden from every row, in tiles whose other
         // keys rows see: the value kernel's zero-weight path.
@@ -372,12 +373,13 @@ fn nan_in_masked_keys_and_values_never_reaches_the_output_on(engine: Engine) {
         let clean = run(engine, &c.q, &c.k, &c.v, &opts);
         // NaN and infinities in every key and value no row may see: past
         // the key lengths (cases 3, 6), and keys a keep mask hides from
-        // every row of a batch item (cases 4, 6).
+        // every row of a batch item (cases 4, 6, 8; 8 with nothing else,
+        // so the softmax applies the scale: NaN keys must not move it).
         let (mut k, mut v) = (c.k.clone(), c.v.clone());
         let [batch, _, _, len_q, len_kv, _, _] = shape;
         for b in 0..batch {
             for j in 0..len_kv {
-                let past_length = case != 4 && j >= c.store.lengths[b];
+                let past_length = matches!(case, 3 | 6) && j >= c.store.lengths[b];
                 let hidden = case != 3 && (0..len_q).all(|i| !c.store.keep[[b, 0, i, j]]);
                 if past_length || hidden {
                     k.slice_mut(s![b, .., j, ..]).fill(bf16::NAN);
