@@ -80,32 +80,34 @@ impl<Q: Query, O: Output> WithKernel for Bf16Forward<'_, '_, Q, O> {
 /// The magnitudes of one head's keys, from one pass over them.
 #[derive(Clone, Copy, Default)]
 struct KeyMagnitude {
-    /// The largest magnitude bits among keys that are not NaN: those of
-    /// the largest finite `|k|`, or `INFINITY_BITS` with an infinity.
+    /// The largest magnitude bits among the finite keys: those of the
+    /// largest finite `|k|`.
     max_bits: u16,
-    has_nan: bool,
+    /// Whether a key holds NaN or an infinity.
+    has_nonfinite: bool,
 }
 
 impl KeyMagnitude {
     /// The magnitudes of `keys`, in any order: one pass (a plain maximum,
-    /// which vectorizes), and a second only when the first met a NaN.
+    /// which vectorizes), and a second only when the first met NaN or an
+    /// infinity.
     fn of<'x>(keys: impl Iterator<Item = &'x bf16> + Clone) -> Self {
         let magnitude = |x: &bf16| x.to_bits() & MAGNITUDE;
         let max_bits = keys.clone().map(magnitude).fold(0, u16::max);
-        if max_bits <= INFINITY_BITS {
+        if max_bits < INFINITY_BITS {
             return Self {
                 max_bits,
-                has_nan: false,
+                has_nonfinite: false,
             };
         }
-        let not_nan = keys.map(magnitude).filter(|&bits| bits <= INFINITY_BITS);
+        let finite = keys.map(magnitude).filter(|&bits| bits < INFINITY_BITS);
         Self {
-            max_bits: not_nan.fold(0, u16::max),
-            has_nan: true,
+            max_bits: finite.fold(0, u16::max),
+            has_nonfinite: true,
         }
     }
 
-    /// The largest `|k|` that is not NaN.
+    /// The largest finite `|k|`.
     fn max_abs(self) -> f32 {
         bf16::from_bits(self.max_bits).to_f32()
     }
@@ -113,7 +115,7 @@ impl KeyMagnitude {
     /// The bound the tiles mask with: `+inf` when a key holds NaN or an
     /// infinity, as the `f32` path's.
     fn max_abs_key(self) -> f32 {
-        if self.has_nan {
+        if self.has_nonfinite {
             f32::INFINITY
         } else {
             self.max_abs()
@@ -151,8 +153,11 @@ fn key_magnitudes<Q>(call: &Call<'_, f32, bf16, Q>) -> Result<Vec<KeyMagnitude>,
 }
 
 /// Whether `|q·k|`, unscaled or scaled, may come near `f32::MAX` for some
-/// query and key: `d_k·max|q|·max|k|·max(|scale|, 1)` past half of it.
-/// NaN is ignored (a NaN product is not an overflow).
+/// finite query and key: `d_k·max|q|·max|k|·max(|scale|, 1)` past half
+/// of it, over the finite numbers. NaN and infinities are left out: their
+/// products are NaN or infinite on either path, in any order of the sum,
+/// and a path chosen by them would make every row's bits depend on a key
+/// no row sees or on another row's query.
 fn products_may_overflow<K: Kernel, Q: Query>(
     kernel: K,
     call: &Call<'_, f32, bf16, Q>,
@@ -163,9 +168,10 @@ fn products_may_overflow<K: Kernel, Q: Query>(
     // infinities, and then the element-wise fold decides.
     let max_abs_q = match call.q.as_slice_memory_order().map(|q| kernel.max_abs(q)) {
         Some(max) if max.is_finite() => max,
-        _ => call
-            .q
-            .fold(0.0f32, |max, x| max.max(Load::to_f32(*x).abs())),
+        _ => call.q.fold(0.0f32, |max, x| {
+            let x = Load::to_f32(*x).abs();
+            if x.is_finite() { max.max(x) } else { max }
+        }),
     };
     let max_abs_k = magnitudes
         .iter()

@@ -382,7 +382,13 @@ fn nan_in_masked_keys_and_values_never_reaches_the_output_on(engine: Engine) {
                 let past_length = matches!(case, 3 | 6) && j >= c.store.lengths[b];
                 let hidden = case != 3 && (0..len_q).all(|i| !c.store.keep[[b, 0, i, j]]);
                 if past_length || hidden {
-                    k.slice_mut(s![b, .., j, ..]).fill(bf16::NAN);
+                    // NaN and both infinities: none may move the call
+                    // off the native path (a bound over every key would).
+                    k.slice_mut(s![b, .., j, ..]).fill(match j % 3 {
+                        0 => bf16::NAN,
+                        1 => bf16::INFINITY,
+                        _ => bf16::NEG_INFINITY,
+                    });
                     v.slice_mut(s![b, .., j, ..]).fill(if j % 2 == 0 {
                         bf16::NAN
                     } else {
@@ -400,6 +406,49 @@ fn nan_in_masked_keys_and_values_never_reaches_the_output_on(engine: Engine) {
             "case {case}: masked NaN changed the output"
         );
         assert!(dirty.iter().all(|x| x.is_finite()), "case {case}");
+    }
+}
+
+#[test]
+fn infinite_keys_a_row_sees_give_the_references_answer() {
+    engines()
+        .into_iter()
+        .for_each(infinite_keys_a_row_sees_give_the_references_answer_on);
+}
+
+fn infinite_keys_a_row_sees_give_the_references_answer_on(engine: Engine) {
+    // One number of key 150 is +inf (head 0) or −inf (head 1): a row's
+    // score there is +inf or −inf by the sign of its query's first
+    // number, so some rows turn NaN (an infinite maximum) and the others
+    // give that key weight 0. Infinite keys no longer send a call to the
+    // converted path, so the native one must give the reference's
+    // answer, NaN where it has NaN.
+    let shape = [1, 2, 2, 200, 200, 32, 32];
+    let c = Case::new(shape, 5);
+    let mut k = c.k.clone();
+    k[[0, 0, 150, 0]] = bf16::INFINITY;
+    k[[0, 1, 150, 0]] = bf16::NEG_INFINITY;
+    for causal in [false, true] {
+        let opts = if causal {
+            AttentionOptions::new().causal()
+        } else {
+            AttentionOptions::new()
+        };
+        let got = run(engine, &c.q, &k, &c.v, &opts);
+        let (q, k, v) = (wide(&c.q), wide(&k), wide(&c.v));
+        let want = sdpa::core::scaled_dot_product_attention(
+            q.view(),
+            k.view(),
+            v.view(),
+            &if causal {
+                AttentionOptions::new().causal()
+            } else {
+                AttentionOptions::new()
+            },
+        )
+        .expect("the reference runs");
+        assert!(want.iter().any(|x| x.is_nan()) && want.iter().any(|x| x.is_finite()));
+        check(&got, &want, c.max_abs_v(), "infinite keys");
     }
 }
 
