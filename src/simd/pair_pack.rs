@@ -90,9 +90,9 @@ unsafe fn pack_keys(keys: &[bf16], d_k: usize, out: &mut [u32]) {
         let at = (j0 / PAIR_KEYS * d_pairs) * PAIR_KEYS + j0 % PAIR_KEYS;
         let present = len.saturating_sub(j0).min(LANES);
         let mask = ((1u32 << present) - 1) as u16;
-        let mut first_gathered = 0;
-        while present == LANES && first_gathered + LANES <= whole_pairs {
-            let p0 = first_gathered;
+        // Pairs `p0..` are left to the gathers below.
+        let mut p0 = 0;
+        while present == LANES && p0 + LANES <= whole_pairs {
             // SAFETY: keys j0..j0 + 16 exist (`present`); row i's 16 pairs
             // from p0 are its dims 2·p0.. 2·p0 + 32 ≤ d_k. The 16 vectors
             // stored are tile rows p0.. of 16 entries from `at`, inside
@@ -108,9 +108,9 @@ unsafe fn pack_keys(keys: &[bf16], d_k: usize, out: &mut [u32]) {
                     _mm512_storeu_ps(to.cast(), *pairs);
                 }
             }
-            first_gathered += LANES;
+            p0 += LANES;
         }
-        for p in first_gathered..whole_pairs {
+        for p in p0..whole_pairs {
             // SAFETY: lanes below `present` read dims 2p and 2p + 1 < d_k
             // of keys j0.., all inside `keys`; masked-off lanes read
             // nothing. The 16 entries stored lie in one tile row (`j0` is
