@@ -68,13 +68,7 @@ impl Bf16Dot {
     /// the vendor (`cpuid`), not by timing at run time, so that which path
     /// a call takes, and so its bits, never depends on a measurement.
     pub(crate) fn outruns_fma() -> bool {
-        static NOT_INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *NOT_INTEL.get_or_init(|| {
-            // Leaf 0: the vendor string in EBX, EDX, ECX.
-            let vendor = __cpuid(0);
-            let name = [vendor.ebx, vendor.edx, vendor.ecx].map(u32::to_le_bytes);
-            name.concat() != b"GenuineIntel"
-        })
+        !super::cpu::is_intel()
     }
 
     /// `s[r][j] = scale · Σ_p q_pairs[r][p] · k_pairs[p][j]` for the

@@ -83,12 +83,26 @@ impl Weights {
     }
 }
 
-/// How many rows ahead the in-place kernels ask for: at d = 128, 16 rows
-/// are 8 KiB, about twice what one memory latency at the read rate needs.
-/// Measured on an Intel Xeon (H=32 d=128 decode, one thread, with the hint
-/// into L2): S=16384 46.5–47.2 ms at 16, 24 and 32 rows alike; 8 rows into
-/// L1, as before, 53.5–54.0 ms in the same run.
-pub(crate) const PREFETCH_ROWS_AHEAD: usize = 16;
+/// How many rows of `row_bytes` ahead the in-place kernels ask for: at
+/// least 16 rows, and on a CPU other than Intel's at least 8 KiB.
+///
+/// Chosen by vendor because the two measured differently (H = 32 decode,
+/// one thread, `docs/PERFORMANCE.md`): on an Intel Xeon (family 6 model
+/// 167, hint into L2) 16, 24 and 32 rows of `f32` at d = 128 ran alike
+/// (S = 16384: 46.5–47.2 ms; 8 rows into L1 53.5–54.0), and 8 KiB ahead
+/// for a `bf16` cache (32 rows) 4% slower than 16 rows. On an AMD Zen 4
+/// (family 25 model 17) 16 rows of `bf16` (4 KiB) left the cache step
+/// at 0.58–0.60× the `f32` step's time, 24 to 48 rows (6–12 KiB) at
+/// 0.47–0.50×; at d = 64, 16 `bf16` rows (2 KiB) 0.74×, 12 KiB 0.53×.
+pub(crate) fn prefetch_rows_ahead(row_bytes: usize) -> usize {
+    const ROWS: usize = 16;
+    const BYTES_OFF_INTEL: usize = 8 * 1024;
+    if super::cpu::is_intel() {
+        ROWS
+    } else {
+        ROWS.max(BYTES_OFF_INTEL.div_ceil(row_bytes.max(1)))
+    }
+}
 
 /// Prefetches the `len` elements at the start of row `j`, a cache line
 /// (64 bytes) at a time (a hint: the row need not exist, since
@@ -109,5 +123,29 @@ pub(crate) unsafe fn prefetch_row<V: Vector, E>(rows: Rows<E>, j: usize, len: us
         // SAFETY: the caller guarantees V's instruction set; `prefetch`
         // accepts any address.
         unsafe { V::prefetch(start.wrapping_add(byte)) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefetching_looks_16_rows_ahead_on_intel_and_8_kib_elsewhere() {
+        for row_bytes in [1, 128, 256, 512, 1024, 4096] {
+            let rows = prefetch_rows_ahead(row_bytes);
+            if crate::simd::cpu::is_intel() {
+                assert_eq!(rows, 16, "{row_bytes}-byte rows");
+            } else {
+                assert!(
+                    rows >= 16 && rows * row_bytes >= 8 * 1024,
+                    "{row_bytes}: {rows}"
+                );
+                assert!(
+                    rows == 16 || (rows - 1) * row_bytes < 8 * 1024,
+                    "{row_bytes}: {rows}"
+                );
+            }
+        }
     }
 }

@@ -55,6 +55,7 @@ use crate::error::{AttentionError, ErrorKind};
 
 #[cfg(feature = "half")]
 mod convert;
+mod cpu;
 mod exp;
 mod kernel;
 mod layout;

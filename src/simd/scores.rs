@@ -9,7 +9,7 @@
 use ndarray::ArrayView2;
 
 use super::kernel::KernelOp;
-use super::layout::{PREFETCH_ROWS_AHEAD, Rows, prefetch_row};
+use super::layout::{Rows, prefetch_row, prefetch_rows_ahead};
 use super::rows::dot_lanes;
 use super::vector::{Load, Vector};
 
@@ -121,13 +121,14 @@ impl<E: Load> KernelOp for RowScores<'_, E> {
         assert!(rows * d == q.len() && keys <= s_stride);
         assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
         let (q, k, s) = (q.as_ptr(), Rows::of(&k), s.as_mut_ptr());
+        let rows_ahead = prefetch_rows_ahead(d * size_of::<E>());
         // SAFETY: the caller guarantees V's instruction set; `k` holds the
         // contiguous rows of a view of `keys` rows of `d`, and every offset
         // stays inside the sizes checked above.
         unsafe {
             for j in 0..keys {
                 let key = k.row(j);
-                prefetch_row::<V, _>(k, j + PREFETCH_ROWS_AHEAD, d);
+                prefetch_row::<V, _>(k, j + rows_ahead, d);
                 for r in 0..rows {
                     let score = dot_lanes::<V, E>(q.add(r * d), key, d);
                     *s.add(r * s_stride + j) = score.reduce_sum();

@@ -7,7 +7,7 @@
 use ndarray::ArrayView2;
 
 use super::kernel::KernelOp;
-use super::layout::{PREFETCH_ROWS_AHEAD, Rows, Weights, prefetch_row};
+use super::layout::{Rows, Weights, prefetch_row, prefetch_rows_ahead};
 use super::vector::{Load, Vector};
 
 /// What a zero weight contributes to `P·V`.
@@ -33,7 +33,7 @@ pub(crate) enum ValueRows {
     /// N = 4096 on a Sapphire Rapids Xeon).
     Packed,
     /// Rows in the caller's arrays, read once from memory (decoding):
-    /// prefetched `PREFETCH_ROWS_AHEAD` rows ahead.
+    /// prefetched [`prefetch_rows_ahead`] rows ahead.
     InPlace,
 }
 
@@ -92,6 +92,7 @@ impl<E: Load> KernelOp for AccumulateValues<'_, E> {
             o.as_mut_ptr(),
         );
         let vectors = value_width / V::LANES;
+        let rows_ahead = prefetch_rows_ahead(value_width * size_of::<E>());
         // SAFETY: the caller guarantees V's instruction set; `p` and `v`
         // are those of valid views, and each block covers rows r0..r0+ROWS
         // (or the last few rows) inside the sizes checked above.
@@ -101,6 +102,7 @@ impl<E: Load> KernelOp for AccumulateValues<'_, E> {
                 keys,
                 v,
                 value_width,
+                rows_ahead,
                 alpha: alpha.add(r0),
                 o: o.add(r0 * value_width),
             };
@@ -170,6 +172,8 @@ struct ValueBlock<E> {
     keys: usize,
     v: Rows<E>,
     value_width: usize,
+    /// How far ahead rows read in place are prefetched.
+    rows_ahead: usize,
     alpha: *const f32,
     o: *mut f32,
 }
@@ -243,7 +247,7 @@ impl<E: Load> ValueBlock<E> {
                 let v_row = self.v.row(j).add(column);
                 if PREFETCH && c0 == 0 {
                     // Later column blocks find the rows in L1.
-                    prefetch_row::<V, _>(self.v, j + PREFETCH_ROWS_AHEAD, self.value_width);
+                    prefetch_row::<V, _>(self.v, j + self.rows_ahead, self.value_width);
                 }
                 let v_vectors: [V; W] = std::array::from_fn(|c| E::load(v_row.add(c * V::LANES)));
                 for (acc_row, weight) in acc.iter_mut().zip(&mut weights) {
