@@ -529,8 +529,18 @@ impl QueryTile {
         }
         // Padding rows are zero: their scores are computed and dropped.
         self.q[at.rows.min(rows) * d_k..rows * d_k].fill(0.0);
-        for (query, packed) in tile_rows.zip(self.q.chunks_exact_mut(d_k)) {
-            scaled_row(kernel, query, packed, call.scale);
+        let real = at.rows.min(rows);
+        let tile = q_head.slice(ndarray::s![at.i0..at.i0 + real, ..]);
+        match tile.as_slice() {
+            // Rows back to back (the usual layout): one pass over all of
+            // them, not a kernel call per row, which cost 4% of a 256-token
+            // forward on Zen 4.
+            Some(tile) => kernel.scaled_copy(tile, &mut self.q[..real * d_k], call.scale),
+            None => {
+                for (query, packed) in tile_rows.zip(self.q.chunks_exact_mut(d_k)) {
+                    scaled_row(kernel, query, packed, call.scale);
+                }
+            }
         }
         self.q_max_abs = kernel.max_abs(&self.q[..rows * d_k]);
     }
