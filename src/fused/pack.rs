@@ -86,13 +86,23 @@ impl PackedHead {
             self.tile_has_nonfinite_rows.fill(false);
             return Ok(()); // `d_v = 0`: a forward for the log-sum-exp alone.
         }
-        for (row, packed) in for_rows
-            .rows()
-            .into_iter()
-            .zip(self.rows.chunks_exact_mut(self.row_width))
-        {
-            scaled_row(kernel, row, &mut packed[..row.len()], 1.0);
-            packed[row.len()..].fill(0.0);
+        match for_rows.as_slice() {
+            // Rows back to back and as wide as the packed ones (`d_v` a
+            // whole number of vectors): one pass, not a kernel call per
+            // row.
+            Some(all) if for_rows.ncols() == self.row_width => {
+                kernel.scaled_copy(all, &mut self.rows[..all.len()], 1.0);
+            }
+            _ => {
+                for (row, packed) in for_rows
+                    .rows()
+                    .into_iter()
+                    .zip(self.rows.chunks_exact_mut(self.row_width))
+                {
+                    scaled_row(kernel, row, &mut packed[..row.len()], 1.0);
+                    packed[row.len()..].fill(0.0);
+                }
+            }
         }
         self.rows[len_kv * self.row_width..].fill(0.0);
         for (nonfinite, tile) in self
