@@ -18,6 +18,13 @@
 //! (AVX-512 with AVX-512 BF16) this is the `vdpbf16ps` path, or the AMX
 //! tile path where the CPU has AMX ([`sdpa::simd::amx_runs_on`]), its
 //! weights rounded to `bf16` for `P·V` either way.
+//!
+//! The last two columns are the floor: the same two errors of the `f64`
+//! reference itself rounded to the output type, what a call that computed
+//! exactly and rounded once would show. In `bf16` the output's rounding
+//! (a relative step of 2⁻⁸) is most of either error, so a `max_rel` above
+//! the floor by less than the floor's own spread over the cells says
+//! little.
 
 use ndarray::{Array4, Zip};
 use sdpa::AttentionOptions;
@@ -97,8 +104,8 @@ fn main() -> Result<(), sdpa::AttentionError> {
     for set in available_kernel_sets() {
         println!("{}", input.header(set));
         println!(
-            "{:>5} {:>4} {:>6} {:>6} {:>10} {:>10}",
-            "N", "d", "sigma", "causal", "max_rel", "norm_rel"
+            "{:>5} {:>4} {:>6} {:>6} {:>10} {:>10} {:>10} {:>10}",
+            "N", "d", "sigma", "causal", "max_rel", "norm_rel", "floor_max", "floor_norm"
         );
         for (n, d) in [(256, 64), (1024, 64), (1024, 128)] {
             for sigma in [1.0, 4.0] {
@@ -122,7 +129,16 @@ fn main() -> Result<(), sdpa::AttentionError> {
                         &opts,
                     )?;
                     let fast = fast_call(input, set, causal, &q, &k, &v)?;
-                    print_errors(n, d, sigma, causal, &fast, &reference);
+                    let floor = reference.mapv(|x| round_output(input, x));
+                    let [fast, floor] = [&fast, &floor].map(|y| errors(y, &reference));
+                    println!(
+                        "{n:>5} {d:>4} {sigma:>6.1} {:>6} {:>10.2e} {:>10.2e} {:>10.2e} {:>10.2e}",
+                        if causal { "True" } else { "False" },
+                        fast.0,
+                        fast.1,
+                        floor.0,
+                        floor.1
+                    );
                 }
             }
         }
@@ -173,29 +189,25 @@ fn call<T: sdpa::Storage>(
     })?
 }
 
-/// One line: `max |err| / max |ref|` and `‖err‖ / ‖ref‖`.
-fn print_errors(
-    n: usize,
-    d: usize,
-    sigma: f64,
-    causal: bool,
-    fast: &Array4<f64>,
-    reference: &Array4<f64>,
-) {
+/// `max |err| / max |ref|` and `‖err‖ / ‖ref‖` of `y` against `reference`.
+fn errors(y: &Array4<f64>, reference: &Array4<f64>) -> (f64, f64) {
     let (mut max_err, mut max_ref, mut err2, mut ref2) = (0f64, 0f64, 0f64, 0f64);
-    Zip::from(fast).and(reference).for_each(|&f, &r| {
+    Zip::from(y).and(reference).for_each(|&f, &r| {
         let e = f - r;
         max_err = max_err.max(e.abs());
         max_ref = max_ref.max(r.abs());
         err2 += e * e;
         ref2 += r * r;
     });
-    println!(
-        "{n:>5} {d:>4} {sigma:>6.1} {:>6} {:>10.2e} {:>10.2e}",
-        if causal { "True" } else { "False" },
-        max_err / max_ref,
-        (err2 / ref2).sqrt()
-    );
+    (max_err / max_ref, (err2 / ref2).sqrt())
+}
+
+/// `x` rounded to the output type (the input type).
+fn round_output(input: Input, x: f64) -> f64 {
+    match input {
+        Input::F32 => f64::from(x as f32),
+        Input::Bf16 | Input::F16 => round_to_half(input, x),
+    }
 }
 
 /// `x` rounded to the nearest half value of the input type.
