@@ -201,6 +201,15 @@ impl<E: Load> ValueBlock<E> {
         // `c0 + W <= vectors` for every run below.
         unsafe {
             let mut c0 = 0;
+            // One row read in place (decoding): all its value vectors in
+            // one pass over the keys, up to 8, so each row is read once
+            // rather than once per `NV` vectors.
+            if MR == 1 && PREFETCH {
+                while c0 + 8 <= vectors {
+                    self.run::<V, 1, 8, SKIP, PREFETCH>(c0);
+                    c0 += 8;
+                }
+            }
             while c0 + NV <= vectors {
                 self.run::<V, MR, NV, SKIP, PREFETCH>(c0);
                 c0 += NV;
