@@ -5,9 +5,9 @@
 //! measurement.
 
 /// Whether this is an Intel CPU (`cpuid` leaf 0 reads "GenuineIntel").
-/// `false` off x86-64.
+/// `false` off x86-64, and under Miri, which cannot run `cpuid`.
 pub(crate) fn is_intel() -> bool {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
     {
         static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *INTEL.get_or_init(|| {
@@ -17,6 +17,6 @@ pub(crate) fn is_intel() -> bool {
             name.concat() == b"GenuineIntel"
         })
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(not(all(target_arch = "x86_64", not(miri))))]
     false
 }
