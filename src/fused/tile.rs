@@ -9,7 +9,7 @@ use std::ops::Range;
 use ndarray::{ArrayView2, ArrayViewMut1, ArrayViewMut2, s};
 use num_traits::Float;
 
-use super::pack::scaled_row;
+use super::pack::{scaled_row, scaled_rows};
 use super::scratch::Scratch;
 use super::{KEY_TILE, Output, Query};
 use crate::alloc::element_count;
@@ -503,8 +503,8 @@ impl QueryTile {
     ) {
         let d_k = call.shape.d_k;
         let q_head = crate::call::head(&call.q, at.b, at.h);
-        let tile_rows = q_head.rows().into_iter().skip(at.i0).take(at.rows);
         if paired {
+            let tile_rows = q_head.rows().into_iter().skip(at.i0).take(at.rows);
             let d_pairs = d_k.div_ceil(2);
             // Padding rows are zero: their scores are computed and dropped.
             self.q_pairs[at.rows.min(rows) * d_pairs..rows * d_pairs].fill(0);
@@ -528,20 +528,10 @@ impl QueryTile {
             return;
         }
         // Padding rows are zero: their scores are computed and dropped.
-        self.q[at.rows.min(rows) * d_k..rows * d_k].fill(0.0);
         let real = at.rows.min(rows);
+        self.q[real * d_k..rows * d_k].fill(0.0);
         let tile = q_head.slice(ndarray::s![at.i0..at.i0 + real, ..]);
-        match tile.as_slice() {
-            // Rows back to back (the usual layout): one pass over all of
-            // them, not a kernel call per row, which cost 4% of a 256-token
-            // forward on Zen 4.
-            Some(tile) => kernel.scaled_copy(tile, &mut self.q[..real * d_k], call.scale),
-            None => {
-                for (query, packed) in tile_rows.zip(self.q.chunks_exact_mut(d_k)) {
-                    scaled_row(kernel, query, packed, call.scale);
-                }
-            }
-        }
+        scaled_rows(kernel, tile, &mut self.q, d_k, call.scale);
         self.q_max_abs = kernel.max_abs(&self.q[..rows * d_k]);
     }
 
