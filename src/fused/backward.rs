@@ -154,10 +154,10 @@ impl WithKernel for Backward<'_, '_, '_> {
 /// it, written into the job's views of `d_q`, `d_k` and `d_v`; returns
 /// each query head's `dS` when the call has a bias. On an error some views
 /// may have been written (the callers' arrays are fresh and dropped then).
-fn head_gradients<K: Kernel>(
+fn head_gradients<'c, K: Kernel>(
     kernel: K,
-    call: &BackwardCall<'_, f32>,
-    buffers: &mut BackwardScratch,
+    call: &'c BackwardCall<'_, f32>,
+    buffers: &mut BackwardScratch<'c>,
     job: HeadJob<'_>,
 ) -> Result<HeadScores, AttentionError> {
     let HeadJob {
@@ -177,8 +177,8 @@ fn head_gradients<K: Kernel>(
         rows,
         tiles: scratch,
     } = buffers;
-    keys_first.pack(kernel, k_head, v_head)?;
-    values_first.pack(kernel, v_head, k_head)?;
+    keys_first.pack(kernel, k_head, None)?;
+    values_first.pack(kernel, v_head, Some(k_head))?;
     let k_width = d_k.div_ceil(K::LANES) * K::LANES;
     let v_width = d_v.div_ceil(K::LANES) * K::LANES;
     let padded_keys = len_kv.div_ceil(KEY_TILE) * KEY_TILE;
@@ -248,19 +248,20 @@ fn head_gradients<K: Kernel>(
 /// The buffers of a thread's work items, reused from item to item (every
 /// item of a call has the same shapes, and packing rewrites all but the
 /// padding, which stays zero).
-struct BackwardScratch {
-    /// Keys packed as panels (for `S`) with values as rows.
-    keys_first: PackedHead,
-    /// Values packed as panels (for `dP`) with keys as rows (for `dQ`).
-    values_first: PackedHead,
+struct BackwardScratch<'a> {
+    /// Keys packed as panels (for `S`); no rows.
+    keys_first: PackedHead<'a>,
+    /// Values packed as panels (for `dP`) with keys as rows (for `dQ`),
+    /// packed or read in place.
+    values_first: PackedHead<'a>,
     rows: QueryRows,
     tiles: TileBuffers,
 }
 
-impl BackwardScratch {
+impl BackwardScratch<'_> {
     fn new<K: Kernel>(shape: &AttentionShape, softcap: bool) -> Result<Self, AttentionError> {
         Ok(BackwardScratch {
-            keys_first: PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v)?,
+            keys_first: PackedHead::new::<K>(shape.len_kv, shape.d_k, 0)?,
             values_first: PackedHead::new::<K>(shape.len_kv, shape.d_v, shape.d_k)?,
             rows: QueryRows::new::<K>(shape)?,
             tiles: TileBuffers::new::<K>(softcap),
@@ -269,10 +270,10 @@ impl BackwardScratch {
 }
 
 /// The packed operands of one `(batch, kv_head)` and query head.
-struct PackedInputs<'p> {
+struct PackedInputs<'p, 'a> {
     rows: &'p QueryRows,
-    keys_first: &'p PackedHead,
-    values_first: &'p PackedHead,
+    keys_first: &'p PackedHead<'a>,
+    values_first: &'p PackedHead<'a>,
 }
 
 /// The accumulators one step adds to: `dK`, `dV` of the key/value head and
@@ -324,7 +325,7 @@ impl TileBuffers {
         kernel: K,
         forward: &crate::call::Call<'_, f32>,
         step: &TileStep<'_>,
-        packed: &PackedInputs<'_>,
+        packed: &PackedInputs<'_, '_>,
         sums: GradientSums<'_>,
     ) {
         let shape = &forward.shape;

@@ -92,7 +92,11 @@ pub(super) fn prefill<K: Kernel, KV: Load + Float, Q: Query, O: Output>(
             // Fresh per job: reusing one per rayon piece (as the backward
             // does) measured 3–4% slower at N = 256, one thread.
             let mut packed = PackedHead::new::<K>(shape.len_kv, shape.d_k, shape.d_v)?;
-            packed.pack(kernel, head(&call.k, b, kv_h), head(&call.v, b, kv_h))?;
+            packed.pack(
+                kernel,
+                head(&call.k, b, kv_h),
+                Some(head(&call.v, b, kv_h)),
+            )?;
             Ok(PackedKeys {
                 packed,
                 d_k: shape.d_k,
@@ -198,13 +202,14 @@ pub(super) fn prefill_with<
     results.into_iter().collect()
 }
 
-/// One head's keys and values packed for the register-tiled kernels.
-struct PackedKeys {
-    packed: PackedHead,
+/// One head's keys packed for the register-tiled kernels, and its values
+/// packed or read in place.
+struct PackedKeys<'a> {
+    packed: PackedHead<'a>,
     d_k: usize,
 }
 
-impl KeySource for PackedKeys {
+impl KeySource for PackedKeys<'_> {
     type Value = f32;
 
     /// The register-tiled Q·Kᵀ kernel needs whole register tiles of rows
@@ -222,7 +227,8 @@ impl KeySource for PackedKeys {
         self.packed.panels_max_abs
     }
 
-    /// Packing noted which tiles hold a non-finite value.
+    /// Packing noted which tiles hold a non-finite value. In place, the
+    /// last tile has only the real keys.
     fn values(&self, j0: usize, _p: ArrayView2<'_, f32>) -> (ArrayView2<'_, f32>, bool) {
         (
             self.packed.tile_rows(j0),

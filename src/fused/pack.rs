@@ -6,7 +6,7 @@
 //! Padding (keys to whole key tiles, rows to whole query tiles, columns to
 //! whole vectors) is zero, so the kernels have no ragged edges.
 
-use ndarray::{ArrayView1, ArrayView2, Axis};
+use ndarray::{ArrayView1, ArrayView2, Axis, s};
 
 use super::scratch::Scratch;
 use super::{KEY_TILE, QUERY_TILE};
@@ -15,30 +15,45 @@ use crate::call::{AttentionShape, BackwardCall, head};
 use crate::error::AttentionError;
 use crate::simd::{Kernel, Load};
 
-/// Two matrices over the same `len_kv` keys, packed for the kernels and
+/// Two matrices over the same `len_kv` keys, laid out for the kernels and
 /// padded to whole key tiles: `panels` for the `scores` kernel (S = Q·Kᵀ
 /// in the forward; dP = dO·Vᵀ in the backward, with the values there) and
-/// `rows` for the `accumulate_values` kernel (P·V in the forward; dS·K in
-/// the backward, with the keys there).
-pub(crate) struct PackedHead {
+/// rows for the `accumulate_values` kernel (P·V in the forward; dS·K in
+/// the backward, with the keys there), when the caller wants them.
+pub(crate) struct PackedHead<'a> {
     /// The first matrix in panels of `K::KEY_PANEL` keys, each
     /// `[width][KEY_PANEL]`.
     panels: Scratch,
-    /// The second matrix, `[len_kv padded][row_width]`, `row_width` rounded
-    /// up to the vector width.
-    rows: Scratch,
+    rows: HeadRows<'a>,
     row_width: usize,
     /// The largest `|x|` in the first matrix, or `+inf` when it holds a NaN
     /// or an infinity: with the queries' it bounds the scores, which tells
     /// when they may overflow.
     pub(crate) panels_max_abs: f32,
-    /// Per key tile: does `rows` hold a NaN or an infinity there?
+    /// Per key tile: do the rows hold a NaN or an infinity there?
     pub(crate) tile_has_nonfinite_rows: Vec<bool>,
 }
 
-impl PackedHead {
+/// Where a [`PackedHead`]'s second matrix is read from.
+enum HeadRows<'a> {
+    /// Nowhere: not asked for, or not packed yet.
+    Absent,
+    /// The caller's `f32` rows, as they are: each row contiguous and a
+    /// whole number of vectors wide, the `accumulate_values` kernel reads
+    /// them where they lie, and a copy would cost a pass over them per head
+    /// for nothing (the packed value rows were about 1.5% of a 256-token
+    /// forward on Zen 4).
+    InPlace(ArrayView2<'a, f32>),
+    /// Copied into a buffer `[len_kv padded][row_width]`, rows padded with
+    /// zeros to whole vectors and the keys to whole tiles: rows in half
+    /// precision (widened), strided across their numbers, or ragged.
+    Packed(Scratch),
+}
+
+impl<'a> PackedHead<'a> {
     /// Buffers for `len_kv` keys, panels of `panel_width` numbers per key
-    /// and rows of `row_width`.
+    /// and rows of `row_width`. The rows' buffer is taken when
+    /// [`pack`](Self::pack) needs one.
     ///
     /// # Errors
     /// When they are too large to address or cannot be allocated.
@@ -51,50 +66,82 @@ impl PackedHead {
         let padded_keys = tiles * KEY_TILE;
         let row_width = row_width.div_ceil(K::LANES) * K::LANES;
         let panels = element_count::<f32>("packed keys", &[padded_keys, panel_width])?;
-        let rows = element_count::<f32>("packed values", &[padded_keys, row_width])?;
+        element_count::<f32>("packed values", &[padded_keys, row_width])?;
         Ok(Self {
             // `pack` writes every entry, padding included.
             panels: Scratch::for_writing("packed keys", panels)?,
-            rows: Scratch::for_writing("packed values", rows)?,
+            rows: HeadRows::Absent,
             row_width,
             panels_max_abs: 0.0,
             tile_has_nonfinite_rows: try_filled("packed values", tiles, false)?,
         })
     }
 
-    /// Packs `for_panels` `[len_kv, panel_width]` and `for_rows`
-    /// `[len_kv, row_width]`, and writes zeros to the padding (the buffers
-    /// may hold anything before). Elements in half precision (a half
-    /// call's keys and values) are widened to `f32` on the way, a key tile
-    /// at a time, never as a whole copy.
+    /// Packs `for_panels` `[len_kv, panel_width]`, and lays out `for_rows`
+    /// `[len_kv, row_width]` when given: read in place where
+    /// the `accumulate_values` kernel can, else packed (the buffers may hold
+    /// anything before; padding is written as zeros). Elements in half
+    /// precision (a half call's keys and values) are widened to `f32` on
+    /// the way, a key tile at a time, never as a whole copy.
     ///
     /// # Errors
-    /// When the buffer a key tile is widened in cannot be allocated.
+    /// When the buffer a key tile is widened in, or the rows' buffer,
+    /// cannot be allocated.
     pub(crate) fn pack<K: Kernel, E: Load>(
         &mut self,
         kernel: K,
         for_panels: ArrayView2<'_, E>,
-        for_rows: ArrayView2<'_, E>,
+        for_rows: Option<ArrayView2<'a, E>>,
     ) -> Result<(), AttentionError> {
         // Padding included, and the bound of the keys in the same pass.
         self.panels_max_abs = match E::as_f32(for_panels) {
             Some(keys) => kernel.pack_panels(keys, &mut self.panels),
             None => self.pack_widened_panels(kernel, for_panels)?,
         };
-        let len_kv = for_panels.nrows();
-        if self.row_width == 0 {
-            self.tile_has_nonfinite_rows.fill(false);
-            return Ok(()); // `d_v = 0`: a forward for the log-sum-exp alone.
+        let for_rows = match for_rows {
+            Some(rows) if self.row_width > 0 => rows,
+            _ => {
+                // No rows wanted, or `d_v = 0` (a forward for the
+                // log-sum-exp alone).
+                self.tile_has_nonfinite_rows.fill(false);
+                return Ok(());
+            }
+        };
+        let in_place = E::as_f32(for_rows).filter(|rows| {
+            rows.ncols() == self.row_width && (rows.ncols() <= 1 || rows.strides()[1] == 1)
+        });
+        if let Some(rows) = in_place {
+            for (nonfinite, tile) in self
+                .tile_has_nonfinite_rows
+                .iter_mut()
+                .zip(rows.axis_chunks_iter(Axis(0), KEY_TILE))
+            {
+                *nonfinite = match tile.as_slice_memory_order() {
+                    Some(all) => !kernel.all_finite(all),
+                    None => !tile.rows().into_iter().all(|row| {
+                        kernel.all_finite(row.as_slice_memory_order().expect("contiguous rows"))
+                    }),
+                };
+            }
+            self.rows = HeadRows::InPlace(rows);
+            return Ok(());
         }
-        scaled_rows(kernel, for_rows, &mut self.rows, self.row_width, 1.0);
-        self.rows[len_kv * self.row_width..].fill(0.0);
+        let packed_len = self.tile_has_nonfinite_rows.len() * KEY_TILE * self.row_width;
+        let mut packed = match std::mem::replace(&mut self.rows, HeadRows::Absent) {
+            HeadRows::Packed(buffer) => buffer,
+            _ => Scratch::for_writing("packed values", packed_len)?,
+        };
+        let len_kv = for_rows.nrows();
+        scaled_rows(kernel, for_rows, &mut packed, self.row_width, 1.0);
+        packed[len_kv * self.row_width..].fill(0.0);
         for (nonfinite, tile) in self
             .tile_has_nonfinite_rows
             .iter_mut()
-            .zip(self.rows.chunks_exact(KEY_TILE * self.row_width))
+            .zip(packed.chunks_exact(KEY_TILE * self.row_width))
         {
             *nonfinite = !kernel.all_finite(tile);
         }
+        self.rows = HeadRows::Packed(packed);
         Ok(())
     }
 
@@ -129,10 +176,21 @@ impl PackedHead {
         Ok(bound)
     }
 
-    /// The rows of the key tile starting at `j0`, `[KEY_TILE, row_width]`.
+    /// The rows of the key tile starting at `j0`: `[KEY_TILE, row_width]`
+    /// packed, or up to `KEY_TILE` of the caller's rows read in place (the
+    /// last tile's padding keys, whose weights are zero, are not there).
+    ///
+    /// # Panics
+    /// When the head was packed without rows (a bug in the driver).
     pub(crate) fn tile_rows(&self, j0: usize) -> ArrayView2<'_, f32> {
-        let tile = &self.rows[j0 * self.row_width..(j0 + KEY_TILE) * self.row_width];
-        ArrayView2::from_shape((KEY_TILE, self.row_width), tile).expect("a whole tile")
+        match &self.rows {
+            HeadRows::InPlace(rows) => rows.slice(s![j0..(j0 + KEY_TILE).min(rows.nrows()), ..]),
+            HeadRows::Packed(packed) => {
+                let tile = &packed[j0 * self.row_width..(j0 + KEY_TILE) * self.row_width];
+                ArrayView2::from_shape((KEY_TILE, self.row_width), tile).expect("a whole tile")
+            }
+            HeadRows::Absent => panic!("rows of a head packed without them"),
+        }
     }
 
     /// The `panel_width`-wide panels of the key tile starting at `j0`.
@@ -326,6 +384,7 @@ mod tests {
     use ndarray::{Array2, ArrayView2, s};
 
     use super::PackedHead;
+    use crate::fused::KEY_TILE;
     use crate::simd::{Kernel, Load, WithKernel, available_kernel_sets, with_kernel};
 
     /// Half keys and values packed as they are give the bits of the same
@@ -348,14 +407,25 @@ mod tests {
             let wide = |x: ArrayView2<'_, H>| x.mapv(|x| Load::to_f32(x));
             let (len, d_k, d_v) = (keys.nrows(), keys.ncols(), values.ncols());
             let mut half = PackedHead::new::<K>(len, d_k, d_v).unwrap();
-            half.pack(kernel, keys, values).unwrap();
+            half.pack(kernel, keys, Some(values)).unwrap();
+            let (wide_keys, wide_values) = (wide(keys), wide(values));
             let mut f32s = PackedHead::new::<K>(len, d_k, d_v).unwrap();
-            f32s.pack(kernel, wide(keys).view(), wide(values).view())
+            f32s.pack(kernel, wide_keys.view(), Some(wide_values.view()))
                 .unwrap();
             let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             let what = format!("{} {len}×{d_k}/{d_v}", K::SET);
             assert_eq!(bits(&half.panels), bits(&f32s.panels), "{what}: panels");
-            assert_eq!(bits(&half.rows), bits(&f32s.rows), "{what}: rows");
+            // The `f32` rows may be read in place, with no padding keys;
+            // the real keys' rows are the same numbers either way.
+            for j0 in (0..len).step_by(KEY_TILE) {
+                let keys = KEY_TILE.min(len - j0);
+                let tile_bits = |head: &PackedHead<'_>| {
+                    let rows = head.tile_rows(j0);
+                    let rows = rows.slice(s![..keys, ..]);
+                    rows.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                };
+                assert_eq!(tile_bits(&half), tile_bits(&f32s), "{what}: rows at {j0}");
+            }
             assert_eq!(
                 half.panels_max_abs.to_bits(),
                 f32s.panels_max_abs.to_bits(),
