@@ -177,8 +177,9 @@ fn head_gradients<'c, K: Kernel>(
         rows,
         tiles: scratch,
     } = buffers;
-    keys_first.pack(kernel, k_head, None)?;
-    values_first.pack(kernel, v_head, Some(k_head))?;
+    // The backward scales its query rows (`QueryRows`), not the keys.
+    keys_first.pack(kernel, k_head, 1.0, None)?;
+    values_first.pack(kernel, v_head, 1.0, Some(k_head))?;
     let k_width = d_k.div_ceil(K::LANES) * K::LANES;
     let v_width = d_v.div_ceil(K::LANES) * K::LANES;
     let padded_keys = len_kv.div_ceil(KEY_TILE) * KEY_TILE;

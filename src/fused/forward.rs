@@ -95,6 +95,7 @@ pub(super) fn prefill<K: Kernel, KV: Load + Float, Q: Query, O: Output>(
             packed.pack(
                 kernel,
                 head(&call.k, b, kv_h),
+                call.scale,
                 Some(head(&call.v, b, kv_h)),
             )?;
             Ok(PackedKeys {
@@ -211,6 +212,10 @@ struct PackedKeys<'a> {
 
 impl KeySource for PackedKeys<'_> {
     type Value = f32;
+
+    /// The panels hold `scale·k`: the queries go to the kernel unscaled,
+    /// read in place where they can be.
+    const SCALED_KEYS: bool = true;
 
     /// The register-tiled Q·Kᵀ kernel needs whole register tiles of rows
     /// (padding rows are computed and dropped).

@@ -77,8 +77,9 @@ impl<'a> PackedHead<'a> {
         })
     }
 
-    /// Packs `for_panels` `[len_kv, panel_width]`, and lays out `for_rows`
-    /// `[len_kv, row_width]` when given: read in place where
+    /// Packs `panel_scale·for_panels` `[len_kv, panel_width]` (the forward's
+    /// keys carry the call's scale), and lays out `for_rows` `[len_kv,
+    /// row_width]` when given: read in place where
     /// the `accumulate_values` kernel can, else packed (the buffers may hold
     /// anything before; padding is written as zeros). Elements in half
     /// precision (a half call's keys and values) are widened to `f32` on
@@ -91,12 +92,13 @@ impl<'a> PackedHead<'a> {
         &mut self,
         kernel: K,
         for_panels: ArrayView2<'_, E>,
+        panel_scale: f32,
         for_rows: Option<ArrayView2<'a, E>>,
     ) -> Result<(), AttentionError> {
         // Padding included, and the bound of the keys in the same pass.
         self.panels_max_abs = match E::as_f32(for_panels) {
-            Some(keys) => kernel.pack_panels(keys, &mut self.panels),
-            None => self.pack_widened_panels(kernel, for_panels)?,
+            Some(keys) => kernel.pack_panels(keys, &mut self.panels, panel_scale),
+            None => self.pack_widened_panels(kernel, for_panels, panel_scale)?,
         };
         let for_rows = match for_rows {
             Some(rows) if self.row_width > 0 => rows,
@@ -152,6 +154,7 @@ impl<'a> PackedHead<'a> {
         &mut self,
         kernel: K,
         keys: ArrayView2<'_, E>,
+        scale: f32,
     ) -> Result<f32, AttentionError> {
         let (len_kv, width) = keys.dim();
         if width == 0 || len_kv == 0 {
@@ -171,7 +174,7 @@ impl<'a> PackedHead<'a> {
             let tile =
                 ArrayView2::from_shape((rows, width), &wide[..rows * width]).expect("whole rows");
             // NaN or an infinity makes a tile's bound `+inf`, and the max.
-            bound = bound.max(kernel.pack_panels(tile, panels));
+            bound = bound.max(kernel.pack_panels(tile, panels, scale));
         }
         Ok(bound)
     }
@@ -407,10 +410,10 @@ mod tests {
             let wide = |x: ArrayView2<'_, H>| x.mapv(|x| Load::to_f32(x));
             let (len, d_k, d_v) = (keys.nrows(), keys.ncols(), values.ncols());
             let mut half = PackedHead::new::<K>(len, d_k, d_v).unwrap();
-            half.pack(kernel, keys, Some(values)).unwrap();
+            half.pack(kernel, keys, 0.37, Some(values)).unwrap();
             let (wide_keys, wide_values) = (wide(keys), wide(values));
             let mut f32s = PackedHead::new::<K>(len, d_k, d_v).unwrap();
-            f32s.pack(kernel, wide_keys.view(), Some(wide_values.view()))
+            f32s.pack(kernel, wide_keys.view(), 0.37, Some(wide_values.view()))
                 .unwrap();
             let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             let what = format!("{} {len}×{d_k}/{d_v}", K::SET);

@@ -208,6 +208,9 @@ pub(crate) trait KeySource {
     /// the `P·V` kernel widens as it loads it.
     type Value: Load;
 
+    /// Whether the keys carry the call's scale ([`TileSource::SCALED_KEYS`]).
+    const SCALED_KEYS: bool = false;
+
     /// Rows the scores kernel computes for a tile of `rows` real rows.
     fn computed_rows<K: Kernel>(rows: usize) -> usize;
 
@@ -229,8 +232,10 @@ pub(crate) trait KeySource {
 
 /// A query tile's queries as the score kernels take them.
 pub(crate) struct TileQueries<'q> {
-    /// `scale·q`, `[computed rows][d_k]` (unscaled `q` when the source
-    /// takes [`pairs`](Self::pairs) instead).
+    /// `scale·q`, `[computed rows][d_k]`: unscaled `q` for a source with
+    /// [`TileSource::SCALED_KEYS`] (the caller's rows, where they lie, when
+    /// they can be), or when the source takes [`pairs`](Self::pairs)
+    /// instead.
     pub(crate) rows: &'q [f32],
     /// Unscaled `q` rounded to `bf16` pairs along `d_k`, `[computed
     /// rows][⌈d_k/2⌉]`, filled only for a source with
@@ -255,6 +260,12 @@ pub(crate) trait TileSource {
     /// `bf16` pairs, and apply the scale to the `f32` scores themselves;
     /// else they read the scaled rows.
     const PAIRED_QUERIES: bool = false;
+
+    /// Whether the source's keys carry the call's scale, so that the
+    /// scores kernel reads unscaled queries: `scale·q·kᵀ` as `q·(scale·k)ᵀ`,
+    /// the scale applied once per key where the keys are copied anyway
+    /// (packed), and no query copied where the rows can be read in place.
+    const SCALED_KEYS: bool = false;
 
     /// How exact the softmax's weights must be for
     /// [`tile_values`](Self::tile_values): `Half` where it rounds them to
@@ -291,6 +302,8 @@ pub(crate) trait TileSource {
 }
 
 impl<S: KeySource> TileSource for S {
+    const SCALED_KEYS: bool = S::SCALED_KEYS;
+
     fn computed_rows<K: Kernel>(rows: usize) -> usize {
         S::computed_rows::<K>(rows)
     }
@@ -405,9 +418,10 @@ impl QueryTile {
     ) {
         let d_k = call.shape.d_k;
         let rows = S::computed_rows::<K>(at.rows);
-        self.load_queries(kernel, call, at, rows, S::PAIRED_QUERIES);
+        let in_place = self.load_queries::<K, S, KV, Q>(kernel, call, at, rows);
         let span = TileSpan::of(at, call);
-        // |scale·q·k| ≤ d_k·max|scale·q|·max|k|: below half of `f32::MAX`
+        // |scale·q·k| ≤ d_k·max|q'|·max|k'| (the scale in q' = scale·q or
+        // in k' = scale·k, or outside both): below half of `f32::MAX`
         // (the margin covers rounding) no score can overflow, and the
         // scores need no check.
         let may_overflow = f64::from(self.q_max_abs) * f64::from(source.max_abs_key()) * d_k as f64
@@ -444,7 +458,7 @@ impl QueryTile {
             let j0 = t * KEY_TILE;
             let scores = &mut self.scores[..rows * KEY_TILE];
             let queries = TileQueries {
-                rows: &self.q[..rows * d_k],
+                rows: in_place.unwrap_or(&self.q[..rows * d_k]),
                 pairs: &self.q_pairs,
                 d_k,
                 scale: score_scale,
@@ -487,23 +501,27 @@ impl QueryTile {
     /// rows up to `rows` are zero. Scaling Q once costs `len_q·d_k`
     /// multiplies instead of `len_q·len_kv`.
     ///
+    /// For a source with [`TileSource::SCALED_KEYS`], the rows are
+    /// unscaled, and returned where they lie instead of copied when they
+    /// are `f32`, back to back and as many as the kernel computes (every
+    /// tile but a last ragged one): `q_max_abs` is then their bound.
+    ///
     /// With `paired`, the rows go into `q_pairs` instead, unscaled, as
     /// `bf16` pairs (exact: [`Query::all_bf16`] held), straight from the
     /// caller's rows where they are contiguous; the scores kernel applies
     /// the scale. `q_max_abs` is then `max|q|·max(|scale|, 1)`, which
     /// bounds the unscaled products the kernel sums as well as the scaled
     /// scores.
-    fn load_queries<K: Kernel, KV, Q: Query>(
+    fn load_queries<'c, K: Kernel, S: TileSource, KV, Q: Query>(
         &mut self,
         kernel: K,
-        call: &Call<'_, f32, KV, Q>,
+        call: &'c Call<'_, f32, KV, Q>,
         at: &TilePosition,
         rows: usize,
-        paired: bool,
-    ) {
+    ) -> Option<&'c [f32]> {
         let d_k = call.shape.d_k;
         let q_head = crate::call::head(&call.q, at.b, at.h);
-        if paired {
+        if S::PAIRED_QUERIES {
             let tile_rows = q_head.rows().into_iter().skip(at.i0).take(at.rows);
             let d_pairs = d_k.div_ceil(2);
             // Padding rows are zero: their scores are computed and dropped.
@@ -525,14 +543,22 @@ impl QueryTile {
                 max_abs = max_abs.max(row_max);
             }
             self.q_max_abs = max_abs * call.scale.abs().max(1.0);
-            return;
+            return None;
+        }
+        let real = at.rows.min(rows);
+        let tile = q_head.slice_move(ndarray::s![at.i0..at.i0 + real, ..]);
+        let scale = if S::SCALED_KEYS { 1.0 } else { call.scale };
+        if S::SCALED_KEYS && real == rows {
+            if let Some(in_place) = Q::as_f32(tile).and_then(|tile| tile.to_slice()) {
+                self.q_max_abs = kernel.max_abs(in_place);
+                return Some(in_place);
+            }
         }
         // Padding rows are zero: their scores are computed and dropped.
-        let real = at.rows.min(rows);
         self.q[real * d_k..rows * d_k].fill(0.0);
-        let tile = q_head.slice(ndarray::s![at.i0..at.i0 + real, ..]);
-        scaled_rows(kernel, tile, &mut self.q, d_k, call.scale);
+        scaled_rows(kernel, tile, &mut self.q, d_k, scale);
         self.q_max_abs = kernel.max_abs(&self.q[..rows * d_k]);
+        None
     }
 
     /// Writes `O / ℓ` for the tile's rows into `out_tile`, and `m + ln ℓ`

@@ -227,10 +227,14 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
         self.run(Dot { a, b })
     }
 
-    /// Packs `keys` into the score kernel's panels, padding with zeros,
-    /// and returns their [`MaxAbs`] bound ([`PackPanels`]).
-    fn pack_panels(self, keys: ArrayView2<'_, f32>, panels: &mut [f32]) -> f32 {
-        self.run(PackPanels { keys, panels })
+    /// Packs `scale·keys` into the score kernel's panels, padding with
+    /// zeros, and returns their [`MaxAbs`] bound ([`PackPanels`]).
+    fn pack_panels(self, keys: ArrayView2<'_, f32>, panels: &mut [f32], scale: f32) -> f32 {
+        self.run(PackPanels {
+            keys,
+            panels,
+            scale,
+        })
     }
 
     /// The largest `|x|`, or `+inf` when `x` holds a NaN or an infinity

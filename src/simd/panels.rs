@@ -14,14 +14,20 @@ use super::kernel::KernelOp;
 use super::rows::MagnitudeBound;
 use super::vector::Vector;
 
-/// Writes the rows of `keys` (`[len, width]`, any strides) into `panels`:
-/// key `j`'s number `d` at `(j / panel)·panel·width + d·panel + j % panel`,
+/// Writes the rows of `keys` (`[len, width]`, any strides), times
+/// `scale`, into `panels`: key `j`'s number `d` at `(j / panel)·panel·width + d·panel + j % panel`,
 /// `panel` the set's `KEY_VECTORS·LANES`, and zeros for the padding keys up
-/// to `panels.len() / width`. Returns the keys' [`MaxAbs`](super::rows::MaxAbs)
-/// bound: the largest `|x|`, or `+inf` when one is NaN or infinite.
+/// to `panels.len() / width`. Returns the packed numbers'
+/// [`MaxAbs`](super::rows::MaxAbs) bound: the largest `|x|`, or `+inf`
+/// when one is NaN or infinite.
+///
+/// The forward's keys carry the call's scale this way, so that its query
+/// rows can be read where they lie rather than copied scaled (a copy of
+/// every query, where this multiply rides on a copy made anyway).
 pub(crate) struct PackPanels<'a> {
     pub keys: ArrayView2<'a, f32>,
     pub panels: &'a mut [f32],
+    pub scale: f32,
 }
 
 impl KernelOp for PackPanels<'_> {
@@ -36,7 +42,11 @@ impl KernelOp for PackPanels<'_> {
     >(
         self,
     ) -> f32 {
-        let PackPanels { keys, panels } = self;
+        let PackPanels {
+            keys,
+            panels,
+            scale,
+        } = self;
         let panel = KEY_VECTORS * V::LANES;
         let (len, width) = keys.dim();
         if width == 0 {
@@ -66,6 +76,7 @@ impl KernelOp for PackPanels<'_> {
         // its row (`d + LANES ≤ width`, the numbers contiguous).
         let mut bound = unsafe {
             let mut bound = MagnitudeBound::<V>::new();
+            let factor = V::splat(scale);
             for j in (0..whole).step_by(V::LANES) {
                 let first = from.offset(j as isize * row_stride);
                 let out = to.add(column(j));
@@ -80,13 +91,15 @@ impl KernelOp for PackPanels<'_> {
                     }
                     V::transpose(&mut block[..V::LANES]);
                     for (dd, &numbers) in block.iter().take(V::LANES).enumerate() {
+                        let numbers = numbers.mul(factor);
                         numbers.store(out.add((d + dd) * panel));
                         bound.add(numbers);
                     }
                     d += V::LANES;
                 }
                 for d in d..width {
-                    let numbers = V::gather(first.offset(d as isize * column_stride), row_stride);
+                    let numbers = V::gather(first.offset(d as isize * column_stride), row_stride)
+                        .mul(factor);
                     numbers.store(out.add(d * panel));
                     bound.add(numbers);
                 }
@@ -97,7 +110,7 @@ impl KernelOp for PackPanels<'_> {
         for j in whole..padded {
             let out = &mut panels[column(j)..];
             for (d, packed) in out.iter_mut().step_by(panel).take(width).enumerate() {
-                *packed = if j < len { keys[[j, d]] } else { 0.0 };
+                *packed = if j < len { keys[[j, d]] * scale } else { 0.0 };
                 bound.add_one(*packed);
             }
         }
@@ -123,13 +136,14 @@ mod tests {
         fn run<K: Kernel>(self, kernel: K) {
             let panel = K::KEY_PANEL;
             let check = |keys: ArrayView2<'_, f32>, what: &str| {
+              for scale in [1.0, 0.37] {
                 let (len, width) = keys.dim();
                 let padded = len.div_ceil(panel).max(1) * panel;
                 let mut packed = vec![f32::NAN; padded * width];
-                let bound = kernel.pack_panels(keys, &mut packed);
+                let bound = kernel.pack_panels(keys, &mut packed, scale);
                 let mut expected = vec![0.0f32; padded * width];
                 for ((j, d), &x) in keys.indexed_iter() {
-                    expected[(j / panel) * panel * width + d * panel + j % panel] = x;
+                    expected[(j / panel) * panel * width + d * panel + j % panel] = x * scale;
                 }
                 let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
@@ -138,13 +152,14 @@ mod tests {
                     "{}: {what} {len}×{width}",
                     K::SET
                 );
-                let max = keys.iter().fold(0.0f32, |max, x| max.max(x.abs()));
+                let max = keys.iter().fold(0.0f32, |max, x| max.max((x * scale).abs()));
                 let max = if keys.iter().all(|x| x.is_finite()) {
                     max
                 } else {
                     f32::INFINITY
                 };
                 assert_eq!(bound, max, "{}: {what} bound {len}×{width}", K::SET);
+              }
             };
             for len in [
                 0,
