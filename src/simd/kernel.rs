@@ -17,6 +17,7 @@
 
 use ndarray::ArrayView2;
 
+use super::layout::PrefetchLines;
 use super::panels::PackPanels;
 use super::rows::{Dot, MaxAbs, ScaledCopy};
 use super::scores::{RowScores, Scores};
@@ -235,6 +236,11 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
             panels,
             scale,
         })
+    }
+
+    /// Prefetches `x` into L2 ([`PrefetchLines`]).
+    fn prefetch(self, x: &[f32]) {
+        self.run(PrefetchLines { x })
     }
 
     /// The largest `|x|`, or `+inf` when `x` holds a NaN or an infinity

@@ -4,6 +4,7 @@
 
 use ndarray::ArrayView2;
 
+use super::kernel::KernelOp;
 use super::vector::Vector;
 
 /// Rows of a matrix of `E` in memory: row `j` starts at `ptr + j·stride`.
@@ -123,6 +124,31 @@ pub(crate) unsafe fn prefetch_row<V: Vector, E>(rows: Rows<E>, j: usize, len: us
         // SAFETY: the caller guarantees V's instruction set; `prefetch`
         // accepts any address.
         unsafe { V::prefetch(start.wrapping_add(byte)) };
+    }
+}
+
+/// Prefetches every cache line of `x` into L2: for numbers a driver will
+/// read soon and would otherwise first touch in memory, with a stall
+/// (the next query tile's rows, while this one runs).
+pub(crate) struct PrefetchLines<'a> {
+    pub x: &'a [f32],
+}
+
+impl KernelOp for PrefetchLines<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    unsafe fn run<
+        V: Vector,
+        const ROWS: usize,
+        const KEY_VECTORS: usize,
+        const VALUE_VECTORS: usize,
+    >(
+        self,
+    ) {
+        let rows = Rows::of(&ArrayView2::from_shape((1, self.x.len()), self.x).expect("one row"));
+        // SAFETY: the caller guarantees V's instruction set.
+        unsafe { prefetch_row::<V, f32>(rows, 0, self.x.len()) }
     }
 }
 

@@ -73,10 +73,16 @@ impl KernelOp for PackPanels<'_> {
         // `LANES` after it lie in one panel (`j` is a multiple of `LANES`,
         // as is `panel`), inside `panels` (`j < padded`, checked above).
         // A block's row i holds key j + i's numbers d..d + LANES, inside
-        // its row (`d + LANES ≤ width`, the numbers contiguous).
+        // its row (`d + LANES ≤ width`, the numbers contiguous). Prefetch
+        // addresses are computed with wrapping arithmetic and may lie past
+        // the keys: a prefetch is a hint that never faults.
         let mut bound = unsafe {
             let mut bound = MagnitudeBound::<V>::new();
             let factor = V::splat(scale);
+            // Keys are read once, often from memory or L3 (the call's
+            // first touch of them), `LANES` rows at a time across the
+            // whole width: two blocks of keys ahead are prefetched.
+            let ahead = 2 * V::LANES as isize * row_stride;
             for j in (0..whole).step_by(V::LANES) {
                 let first = from.offset(j as isize * row_stride);
                 let out = to.add(column(j));
@@ -87,7 +93,10 @@ impl KernelOp for PackPanels<'_> {
                     // is number d + dd of the LANES keys.
                     let mut block = [V::splat(0.0); 16];
                     for (i, row) in block.iter_mut().take(V::LANES).enumerate() {
-                        *row = V::load(first.offset(i as isize * row_stride).add(d));
+                        let at = first.offset(i as isize * row_stride).add(d);
+                        *row = V::load(at);
+                        // The same numbers of the keys two blocks on.
+                        V::prefetch(at.wrapping_offset(ahead).cast());
                     }
                     V::transpose(&mut block[..V::LANES]);
                     for (dd, &numbers) in block.iter().take(V::LANES).enumerate() {
@@ -98,8 +107,8 @@ impl KernelOp for PackPanels<'_> {
                     d += V::LANES;
                 }
                 for d in d..width {
-                    let numbers = V::gather(first.offset(d as isize * column_stride), row_stride)
-                        .mul(factor);
+                    let numbers =
+                        V::gather(first.offset(d as isize * column_stride), row_stride).mul(factor);
                     numbers.store(out.add(d * panel));
                     bound.add(numbers);
                 }
@@ -136,30 +145,32 @@ mod tests {
         fn run<K: Kernel>(self, kernel: K) {
             let panel = K::KEY_PANEL;
             let check = |keys: ArrayView2<'_, f32>, what: &str| {
-              for scale in [1.0, 0.37] {
-                let (len, width) = keys.dim();
-                let padded = len.div_ceil(panel).max(1) * panel;
-                let mut packed = vec![f32::NAN; padded * width];
-                let bound = kernel.pack_panels(keys, &mut packed, scale);
-                let mut expected = vec![0.0f32; padded * width];
-                for ((j, d), &x) in keys.indexed_iter() {
-                    expected[(j / panel) * panel * width + d * panel + j % panel] = x * scale;
+                for scale in [1.0, 0.37] {
+                    let (len, width) = keys.dim();
+                    let padded = len.div_ceil(panel).max(1) * panel;
+                    let mut packed = vec![f32::NAN; padded * width];
+                    let bound = kernel.pack_panels(keys, &mut packed, scale);
+                    let mut expected = vec![0.0f32; padded * width];
+                    for ((j, d), &x) in keys.indexed_iter() {
+                        expected[(j / panel) * panel * width + d * panel + j % panel] = x * scale;
+                    }
+                    let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&packed),
+                        bits(&expected),
+                        "{}: {what} {len}×{width}",
+                        K::SET
+                    );
+                    let max = keys
+                        .iter()
+                        .fold(0.0f32, |max, x| max.max((x * scale).abs()));
+                    let max = if keys.iter().all(|x| x.is_finite()) {
+                        max
+                    } else {
+                        f32::INFINITY
+                    };
+                    assert_eq!(bound, max, "{}: {what} bound {len}×{width}", K::SET);
                 }
-                let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
-                    bits(&packed),
-                    bits(&expected),
-                    "{}: {what} {len}×{width}",
-                    K::SET
-                );
-                let max = keys.iter().fold(0.0f32, |max, x| max.max((x * scale).abs()));
-                let max = if keys.iter().all(|x| x.is_finite()) {
-                    max
-                } else {
-                    f32::INFINITY
-                };
-                assert_eq!(bound, max, "{}: {what} bound {len}×{width}", K::SET);
-              }
             };
             for len in [
                 0,
