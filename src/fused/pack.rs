@@ -207,12 +207,15 @@ impl<'a> PackedHead<'a> {
 /// and padding rows are zero, and their log-sum-exp is `−inf`, so they add
 /// nothing anywhere.
 pub(crate) struct QueryRows {
-    /// `scale·q`, `[padded][d_k]` for `scores`, and `[padded][k_width]` as rows.
+    /// `scale·q`, `[padded][d_k]` for `scores`, and `[padded][k_width]` as
+    /// rows: none where `d_k = k_width`, the same numbers in the same
+    /// places, read from `q_scaled`.
     pub(crate) q_scaled: Scratch,
-    q_scaled_rows: Scratch,
-    /// `d_out`, `[padded][d_v]` for `scores`, and `[padded][v_width]` as rows.
+    q_scaled_rows: Option<Scratch>,
+    /// `d_out`, `[padded][d_v]` for `scores`, and `[padded][v_width]` as
+    /// rows (none where `d_v = v_width`, as above).
     pub(crate) d_out: Scratch,
-    d_out_rows: Scratch,
+    d_out_rows: Option<Scratch>,
     k_width: usize,
     v_width: usize,
     /// `D_i = Σ_c dO_ic · O_ic`.
@@ -239,11 +242,16 @@ impl QueryRows {
         );
         let what = "the backward's query rows";
         let buffer = |width| Scratch::zeroed(what, element_count::<f32>(what, &[padded, width])?);
+        let padded_rows = |width, padded_width| {
+            (width != padded_width)
+                .then(|| buffer(padded_width))
+                .transpose()
+        };
         Ok(QueryRows {
             q_scaled: buffer(d_k)?,
-            q_scaled_rows: buffer(k_width)?,
+            q_scaled_rows: padded_rows(d_k, k_width)?,
             d_out: buffer(d_v)?,
-            d_out_rows: buffer(v_width)?,
+            d_out_rows: padded_rows(d_v, v_width)?,
             k_width,
             v_width,
             delta: try_filled(what, padded, 0.0)?,
@@ -255,13 +263,15 @@ impl QueryRows {
 
     /// Rows `i0..i0 + n` of `scale·q`, `[n, k_width]`.
     pub(crate) fn q_scaled_rows(&self, i0: usize, n: usize) -> ArrayView2<'_, f32> {
-        let rows = &self.q_scaled_rows[i0 * self.k_width..(i0 + n) * self.k_width];
+        let all = self.q_scaled_rows.as_deref().unwrap_or(&self.q_scaled);
+        let rows = &all[i0 * self.k_width..(i0 + n) * self.k_width];
         ArrayView2::from_shape((n, self.k_width), rows).expect("whole rows")
     }
 
     /// Rows `i0..i0 + n` of `d_out`, `[n, v_width]`.
     pub(crate) fn d_out_rows(&self, i0: usize, n: usize) -> ArrayView2<'_, f32> {
-        let rows = &self.d_out_rows[i0 * self.v_width..(i0 + n) * self.v_width];
+        let all = self.d_out_rows.as_deref().unwrap_or(&self.d_out);
+        let rows = &all[i0 * self.v_width..(i0 + n) * self.v_width];
         ArrayView2::from_shape((n, self.v_width), rows).expect("whole rows")
     }
 
@@ -296,15 +306,9 @@ impl QueryRows {
             .zip(d_out.rows())
             .zip(&lse)
             .zip(self.q_scaled.chunks_exact_mut(d_k))
-            .zip(self.q_scaled_rows.chunks_exact_mut(self.k_width))
             .zip(self.d_out.chunks_exact_mut(d_v))
-            .zip(self.d_out_rows.chunks_exact_mut(self.v_width))
             .zip(self.delta.iter_mut().zip(self.log_sum_exp.iter_mut()));
-        for (
-            (((((((q, out), d_out), &lse), q_scaled), q_row), d_out_packed), d_out_row),
-            (delta, lse_packed),
-        ) in rows
-        {
+        for ((((((q, out), d_out), &lse), q_scaled), d_out_packed), (delta, lse_packed)) in rows {
             // Rows that see no key are zero, whatever q and d_out hold there
             // (rows the sink outweighs entirely count as such).
             let sees_keys = crate::modifiers::sees_keys(lse, sink);
@@ -316,8 +320,6 @@ impl QueryRows {
                 d_out,
                 if sees_keys { 1.0 } else { 0.0 },
             );
-            q_row[..d_k].copy_from_slice(q_scaled);
-            d_out_row[..d_v].copy_from_slice(d_out_packed);
             *delta = if sees_keys {
                 match out.as_slice() {
                     Some(out) => kernel.dot(d_out_packed, out),
@@ -329,6 +331,20 @@ impl QueryRows {
             } else {
                 0.0
             };
+        }
+        // The rows padded to whole vectors, where they differ (their
+        // padding stays zero).
+        let len_q = q.nrows();
+        for (compact, padded, width, padded_width) in [
+            (&self.q_scaled, &mut self.q_scaled_rows, d_k, self.k_width),
+            (&self.d_out, &mut self.d_out_rows, d_v, self.v_width),
+        ] {
+            if let Some(padded) = padded {
+                let rows = padded.chunks_exact_mut(padded_width);
+                for (to, from) in rows.zip(compact.chunks_exact(width)).take(len_q) {
+                    to[..width].copy_from_slice(from);
+                }
+            }
         }
     }
 }
