@@ -13,6 +13,10 @@
 //! prints the half cache's time as a fraction of the `f32` cache's: the
 //! half cache reads half the bytes.
 //!
+//! `KV` sets the number of key/value heads (default `H`, one per query
+//! head): `KV=8` with `H=32` is a grouped-query model's step (Llama's
+//! layout), whose keys and values are a quarter of the bytes.
+//!
 //! ```text
 //! cargo run --release --example decode
 //! RAYON_NUM_THREADS=1 H=32 D=128 cargo run --release --example decode -- 4096 16384
@@ -144,6 +148,11 @@ fn main() {
         lengths
     };
     let (heads, d) = (env_or("H", 32), env_or("D", 128));
+    let kv_heads = env_or("KV", heads);
+    assert!(
+        kv_heads > 0 && heads.is_multiple_of(kv_heads),
+        "KV must divide H"
+    );
     let sets: Vec<KernelSet> = available_kernel_sets()
         .into_iter()
         .filter(|&set| set != KernelSet::Scalar)
@@ -153,13 +162,13 @@ fn main() {
         let q = Array4::<f32>::from_shape_fn((1, heads, 1, d), |(_, h, _, c)| {
             ((h * 7 + c) % 13) as f32 / 13.0 - 0.5
         });
-        let k = Array4::<f32>::from_shape_fn((1, heads, len_kv, d), |(_, h, j, c)| {
+        let k = Array4::<f32>::from_shape_fn((1, kv_heads, len_kv, d), |(_, h, j, c)| {
             ((h + j * 3 + c * 5) % 17) as f32 / 17.0 - 0.5
         });
         let v = k.mapv(|x| x * 0.5 + 0.1);
         let mut out = Array4::<f32>::zeros((1, heads, 1, d));
         let bytes = (k.len() + v.len()) as f64 * 4.0;
-        print!("decode H={heads} d={d} S={len_kv}:");
+        print!("decode H={heads} KV={kv_heads} d={d} S={len_kv}:");
         // The streaming read of as many bytes, from a buffer of its own.
         let stream = vec![1.0_f32; k.len() + v.len()];
         for &set in &sets {
@@ -190,7 +199,7 @@ fn main() {
                 "f16" => paired_steps::<sdpa::half::f16>,
                 _ => continue,
             };
-            print!("cache step H={heads} d={d} S={len_kv}:");
+            print!("cache step H={heads} KV={kv_heads} d={d} S={len_kv}:");
             for &set in &sets {
                 let (f32_step, step, ratio) = paired(set, &q, &k, &v);
                 print!(
