@@ -212,6 +212,7 @@ fn head_gradients<'c, K: Kernel>(
                     h,
                     i0,
                     rows: QUERY_TILE.min(len_q - i0),
+                    heads: 1,
                 };
                 let span = TileSpan::of(&at, forward);
                 (at, span)

@@ -165,6 +165,7 @@ pub(super) fn prefill_with<
                         h,
                         i0: t * query_tile,
                         rows: out_tile.nrows(),
+                        heads: 1,
                     };
                     let lse_tile = lse_tiles.as_mut().and_then(Iterator::next);
                     tiles.push((at, out_tile, lse_tile));

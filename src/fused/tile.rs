@@ -19,13 +19,25 @@ use crate::mask::{biased, broadcast};
 use crate::modifiers::apply_sink;
 use crate::simd::{Kernel, Load, SoftmaxRows, ValueRows, WeightPrecision, ZeroWeights};
 
-/// Where a query tile sits: batch item, head, first row and row count.
+/// Where a query tile sits: batch item, head, first row and row count;
+/// and how many consecutive query heads it stacks, `rows / heads` rows
+/// each (the heads of a group when decoding, so that each key and value
+/// is loaded once for all of them), 1 elsewhere.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct TilePosition {
     pub(crate) b: usize,
     pub(crate) h: usize,
     pub(crate) i0: usize,
     pub(crate) rows: usize,
+    pub(crate) heads: usize,
+}
+
+impl TilePosition {
+    /// Tile row `r`'s query head and query position.
+    pub(crate) fn row(&self, r: usize) -> (usize, usize) {
+        let per_head = self.rows / self.heads;
+        (self.h + r / per_head, self.i0 + r % per_head)
+    }
 }
 
 /// The visible key ranges of a query tile's rows, summed up: the key tiles
@@ -47,8 +59,8 @@ impl TileSpan {
             min_end: usize::MAX,
             max_end: 0,
         };
-        for i in at.i0..at.i0 + at.rows {
-            let range = call.visible_range(at.b, i);
+        for r in 0..at.rows {
+            let range = call.visible_range(at.b, at.row(r).1);
             span.min_start = span.min_start.min(range.start);
             span.max_start = span.max_start.max(range.start);
             span.min_end = span.min_end.min(range.end);
@@ -84,7 +96,8 @@ fn mark_overflowed_scores<KV: Float, Q: Float>(
         let row = &mut row[..keys];
         // Not `all`: without an early exit the check vectorizes.
         if !row.iter().fold(true, |finite, x| finite & x.is_finite()) {
-            call.mark_overflowed_scores(at.b, at.h, at.i0 + r, j0, row.into());
+            let (h, i) = at.row(r);
+            call.mark_overflowed_scores(at.b, h, i, j0, row.into());
         }
     }
 }
@@ -103,7 +116,8 @@ pub(crate) fn add_bias<KV, Q>(
     let j1 = (j0 + KEY_TILE).min(call.shape.len_kv);
     let offset = call.key_offset();
     for r in 0..at.rows {
-        let Some(bias_row) = call.bias_row(at.b, at.h, at.i0 + r) else {
+        let (h, i) = at.row(r);
+        let Some(bias_row) = call.bias_row(at.b, h, i) else {
             return;
         };
         let scores = &mut scores[r * KEY_TILE..][..j1 - j0];
@@ -158,7 +172,8 @@ pub(crate) fn add_alibi<KV, Q>(
     }
     let keys = KEY_TILE.min(call.shape.len_kv - j0);
     for r in 0..at.rows {
-        let Some(alibi) = call.alibi(at.h, at.i0 + r) else {
+        let (h, i) = at.row(r);
+        let Some(alibi) = call.alibi(h, i) else {
             return;
         };
         let (slope, distance_0) = (alibi.slope, (alibi.key_0_distance + j0 as i64) as f32);
@@ -178,7 +193,8 @@ pub(crate) fn mask<KV, Q>(
     call: &Call<'_, f32, KV, Q>,
 ) {
     for r in 0..at.rows {
-        let visible = call.visible_keys(at.b, at.h, at.i0 + r);
+        let (h, i) = at.row(r);
+        let visible = call.visible_keys(at.b, h, i);
         let scores = &mut scores[r * KEY_TILE..][..KEY_TILE];
         // The visible range as columns of the tile: what lies outside it
         // (including padding keys past len_kv) is filled whole.
@@ -557,18 +573,33 @@ impl QueryTile {
             return None;
         }
         let real = at.rows.min(rows);
-        let tile = q_head.slice_move(ndarray::s![at.i0..at.i0 + real, ..]);
         let scale = if S::SCALED_KEYS { 1.0 } else { call.scale };
-        if S::SCALED_KEYS
-            && real == rows
-            && let Some(in_place) = Q::as_f32(tile).and_then(|tile| tile.to_slice())
-        {
-            self.q_max_abs = kernel.max_abs(in_place);
-            return Some(in_place);
+        if at.heads == 1 {
+            let tile = q_head.slice_move(ndarray::s![at.i0..at.i0 + real, ..]);
+            if S::SCALED_KEYS
+                && real == rows
+                && let Some(in_place) = Q::as_f32(tile).and_then(|tile| tile.to_slice())
+            {
+                self.q_max_abs = kernel.max_abs(in_place);
+                return Some(in_place);
+            }
+            scaled_rows(kernel, tile, &mut self.q, d_k, scale);
+        } else {
+            // A stack of heads (grouped decoding): each head's rows in turn.
+            let per_head = at.rows / at.heads;
+            for (g, to) in self
+                .q
+                .chunks_mut((per_head * d_k).max(1))
+                .take(at.heads)
+                .enumerate()
+            {
+                let from = crate::call::head(&call.q, at.b, at.h + g);
+                let from = from.slice_move(ndarray::s![at.i0..at.i0 + per_head, ..]);
+                scaled_rows(kernel, from, to, d_k, scale);
+            }
         }
         // Padding rows are zero: their scores are computed and dropped.
         self.q[real * d_k..rows * d_k].fill(0.0);
-        scaled_rows(kernel, tile, &mut self.q, d_k, scale);
         self.q_max_abs = kernel.max_abs(&self.q[..rows * d_k]);
         None
     }
@@ -615,7 +646,7 @@ impl QueryTile {
                 } else {
                     f32::NAN
                 }
-            } else if call.has_unhidden_key(at.b, at.h, at.i0 + r, keys.clone()) {
+            } else if call.has_unhidden_key(at.b, at.row(r).0, at.row(r).1, keys.clone()) {
                 row.fill(f32::NAN);
                 f32::NEG_INFINITY
             } else {
@@ -646,6 +677,9 @@ fn upcoming_queries<'c, KV, Q: Query>(
     call: &'c Call<'_, f32, KV, Q>,
     at: &TilePosition,
 ) -> &'c [f32] {
+    if at.heads > 1 {
+        return &[];
+    }
     let q_head = crate::call::head(&call.q, at.b, at.h);
     let start = (at.i0 + at.rows).min(q_head.nrows());
     let end = (start + at.rows).min(q_head.nrows());
