@@ -476,7 +476,9 @@ impl QueryTile {
         // the next tile's start (its bound was 1.4% of a 1024-token
         // forward on Zen 4, at a sixth of the L2 read rate).
         let upcoming = upcoming_queries(call, at);
-        let share = upcoming.len().div_ceil((end_tile - first_tile).max(1));
+        let share = upcoming
+            .len()
+            .div_ceil(end_tile.saturating_sub(first_tile).max(1));
         let mut upcoming = upcoming.chunks(share.max(1));
         for t in first_tile..end_tile {
             if let Some(rows) = upcoming.next() {
