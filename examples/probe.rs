@@ -18,7 +18,8 @@
 //! then the number of calls (default 3), and a score modifier (default
 //! `plain`, none): `alibi` (the standard slopes, [`sdpa::alibi_slopes`]),
 //! `softcap` (cap 30, or `SOFTCAP`) or `sinks` (one logit per head, −1 to 0.75). B = 1,
-//! H = 8 and d = 64 unless `H`/`D` are set.
+//! H = 8 and d = 64 unless `H`/`D` are set; `KV` sets the key/value heads
+//! of a decode run (grouped-query decoding, e.g. `H=32 KV=8`).
 //!
 //! `DTYPE=bf16` or `f16` runs the calls on inputs stored in that type
 //! (`half` feature); `DTYPE=bf16-by-hand` converts them to `f32` first,
@@ -111,7 +112,8 @@ fn main() {
         (((b * 31 + h * 17 + i * 7 + c * 3) % 23) as f32 - 11.0) / 11.0
     });
     let (k, v) = if decode {
-        let k = Array4::<f32>::from_shape_fn((1, heads, n, d), |(_, h, j, c)| {
+        let kv_heads = env_or("KV", heads);
+        let k = Array4::<f32>::from_shape_fn((1, kv_heads, n, d), |(_, h, j, c)| {
             ((h + j * 3 + c * 5) % 17) as f32 / 17.0 - 0.5
         });
         let v = k.mapv(|x| x * 0.5 + 0.1);

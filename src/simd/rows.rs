@@ -142,20 +142,50 @@ impl KernelOp for Dot<'_> {
 /// and at `b`, and `len` is a multiple of `V::LANES`.
 #[inline(always)]
 pub(crate) unsafe fn dot_lanes<V: Vector, E: Load>(a: *const f32, b: *const E, len: usize) -> V {
+    // SAFETY: the caller's.
+    let [[sum]] = unsafe { dot_lanes_block::<V, E, 1, 1>([a], [b], len) };
+    sum
+}
+
+/// [`dot_lanes`] of `R` rows `a` against `K` rows `b` at once: entry
+/// `[r][k]` is `dot_lanes(a[r], b[k], len)`, the same operations in the
+/// same order, so the same bits; each vector loaded serves `K` (or `R`)
+/// products instead of one. Decoding stacks a few query rows against many
+/// keys, and one product per two loads left its scores bound by the load
+/// ports, not the FMA pipes.
+///
+/// # Safety
+/// As [`dot_lanes`], for every row of `a` and of `b`.
+#[inline(always)]
+pub(crate) unsafe fn dot_lanes_block<V: Vector, E: Load, const R: usize, const K: usize>(
+    a: [*const f32; R],
+    b: [*const E; K],
+    len: usize,
+) -> [[V; K]; R] {
     debug_assert!(len.is_multiple_of(V::LANES));
     // SAFETY: the caller's; each vector read lies below `len`.
     unsafe {
-        let (mut even, mut odd) = (V::splat(0.0), V::splat(0.0));
+        let mut even = [[V::splat(0.0); K]; R];
+        let mut odd = even;
+        let step = |sums: &mut [[V; K]; R], c: usize| {
+            let b: [V; K] = std::array::from_fn(|k| E::load(b[k].add(c)));
+            for (row, &a) in sums.iter_mut().zip(&a) {
+                let a = V::load(a.add(c));
+                for (sum, &b) in row.iter_mut().zip(&b) {
+                    *sum = a.mul_add(b, *sum);
+                }
+            }
+        };
         let mut c = 0;
         while c + 2 * V::LANES <= len {
-            even = V::load(a.add(c)).mul_add(E::load(b.add(c)), even);
-            odd = V::load(a.add(c + V::LANES)).mul_add(E::load(b.add(c + V::LANES)), odd);
+            step(&mut even, c);
+            step(&mut odd, c + V::LANES);
             c += 2 * V::LANES;
         }
         if c < len {
-            even = V::load(a.add(c)).mul_add(E::load(b.add(c)), even);
+            step(&mut even, c);
         }
-        even.add(odd)
+        std::array::from_fn(|r| std::array::from_fn(|k| even[r][k].add(odd[r][k])))
     }
 }
 

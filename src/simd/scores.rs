@@ -10,7 +10,7 @@ use ndarray::ArrayView2;
 
 use super::kernel::KernelOp;
 use super::layout::{Rows, prefetch_row, prefetch_rows_ahead};
-use super::rows::dot_lanes;
+use super::rows::dot_lanes_block;
 use super::vector::{Load, Vector};
 
 /// `s[r][j] = Σ_d q[r][d] · k[j][d]` for the rows of `q` (a multiple of
@@ -122,17 +122,110 @@ impl<E: Load> KernelOp for RowScores<'_, E> {
         assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
         let (q, k, s) = (q.as_ptr(), Rows::of(&k), s.as_mut_ptr());
         let rows_ahead = prefetch_rows_ahead(d * size_of::<E>());
+        let block = RowScoreBlock {
+            q,
+            d,
+            k,
+            s,
+            s_stride,
+            rows,
+            rows_ahead,
+        };
         // SAFETY: the caller guarantees V's instruction set; `k` holds the
         // contiguous rows of a view of `keys` rows of `d`, and every offset
         // stays inside the sizes checked above.
         unsafe {
-            for j in 0..keys {
-                let key = k.row(j);
-                prefetch_row::<V, _>(k, j + rows_ahead, d);
-                for r in 0..rows {
-                    let score = dot_lanes::<V, E>(q.add(r * d), key, d);
-                    *s.add(r * s_stride + j) = score.reduce_sum();
+            // Keys outer, rows inner: each key row comes from memory once
+            // and serves every query row while it is in L1. One query row
+            // (a decoding head) takes four keys at a time, more rows two
+            // keys by two rows (the accumulators fill AVX2's 16 registers).
+            let (mut j, step) = (0, if rows == 1 { 4 } else { 2 });
+            while j + step <= keys {
+                if rows == 1 {
+                    block.keys::<V, 4>(j);
+                } else {
+                    block.keys::<V, 2>(j);
                 }
+                j += step;
+            }
+            for j in j..keys {
+                block.keys::<V, 1>(j);
+            }
+        }
+    }
+}
+
+/// The sizes and pointers of a [`RowScores`] call.
+#[derive(Clone, Copy)]
+struct RowScoreBlock<E> {
+    q: *const f32,
+    d: usize,
+    k: Rows<E>,
+    s: *mut f32,
+    s_stride: usize,
+    rows: usize,
+    rows_ahead: usize,
+}
+
+impl<E: Load> RowScoreBlock<E> {
+    /// The scores of keys `j0..j0 + K` for every query row, two rows at a
+    /// time; the rows `rows_ahead` keys on are prefetched.
+    ///
+    /// # Safety
+    /// The CPU has `V`'s instruction set; the keys are inside `k`, as
+    /// [`RowScores`] checks.
+    #[inline(always)]
+    unsafe fn keys<V: Vector, const K: usize>(self, j0: usize) {
+        // SAFETY: the caller's; rows `r < rows` and keys `j0 + c < keys`.
+        unsafe {
+            let keys: [*const E; K] = std::array::from_fn(|c| self.k.row(j0 + c));
+            for c in 0..K {
+                prefetch_row::<V, _>(self.k, j0 + c + self.rows_ahead, self.d);
+            }
+            let mut r = 0;
+            while r + 2 <= self.rows {
+                self.store(
+                    r,
+                    j0,
+                    dot_lanes_block::<V, E, 2, K>(self.q_rows(r), keys, self.d),
+                );
+                r += 2;
+            }
+            if r < self.rows {
+                self.store(
+                    r,
+                    j0,
+                    dot_lanes_block::<V, E, 1, K>(self.q_rows(r), keys, self.d),
+                );
+            }
+        }
+    }
+
+    /// The `R` query rows from row `r` on.
+    ///
+    /// # Safety
+    /// Those rows are inside `q`.
+    #[inline(always)]
+    unsafe fn q_rows<const R: usize>(self, r: usize) -> [*const f32; R] {
+        // SAFETY: the caller's.
+        std::array::from_fn(|i| unsafe { self.q.add((r + i) * self.d) })
+    }
+
+    /// Stores the reduced sums of rows `r..r + R`, keys `j0..j0 + K`.
+    ///
+    /// # Safety
+    /// Those scores are inside `s`.
+    #[inline(always)]
+    unsafe fn store<V: Vector, const R: usize, const K: usize>(
+        self,
+        r: usize,
+        j0: usize,
+        sums: [[V; K]; R],
+    ) {
+        for (i, row) in sums.iter().enumerate() {
+            for (c, sum) in row.iter().enumerate() {
+                // SAFETY: the caller's.
+                unsafe { *self.s.add((r + i) * self.s_stride + j0 + c) = sum.reduce_sum() };
             }
         }
     }

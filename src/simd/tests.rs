@@ -332,6 +332,27 @@ impl WithKernel for TileCheck {
                     );
                 }
             }
+            // However many rows and keys a call has (the blocks of rows
+            // and keys it takes them in), each score is the bits of that
+            // row's and key's dot product.
+            for some_rows in [1, 2, 3, 5] {
+                for some_keys in [1, 3, 4, 6, 7] {
+                    let mut s = vec![f32::NAN; some_rows * stride];
+                    let k_rows = k_rows.slice(ndarray::s![..some_keys, ..]);
+                    kernel.row_scores(&q[..some_rows * d], d, k_rows, &mut s, stride);
+                    for r in 0..some_rows {
+                        for j in 0..some_keys {
+                            let dot = kernel.dot(&q[r * d..(r + 1) * d], &k[j * d..(j + 1) * d]);
+                            assert_eq!(
+                                s[r * stride + j].to_bits(),
+                                dot.to_bits(),
+                                "{}: {some_rows} × {some_keys} row_scores[{r}][{j}]",
+                                K::SET
+                            );
+                        }
+                    }
+                }
+            }
         }
         // Mask one key per row, then the softmax pass from a running state.
         let original = s.clone();

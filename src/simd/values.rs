@@ -4,6 +4,9 @@
 //! has one to a few rows) rather than padding that would cost as much as
 //! real work.
 
+use std::mem::MaybeUninit;
+use std::ops::Range;
+
 use ndarray::ArrayView2;
 
 use super::kernel::KernelOp;
@@ -182,6 +185,14 @@ impl<E: Load> ValueBlock<E> {
     /// All `vectors` value vectors of the block's `MR` rows, `NV` at a time;
     /// with `SKIP`, zero weights are skipped ([`ZeroWeights::Skip`]).
     ///
+    /// Rows read in place (`PREFETCH`, decoding) that take more than one
+    /// pass over the keys go [`CHUNK_BYTES`] of value rows at a time, every
+    /// pass over one chunk before the next: a pass over a whole 64-key tile
+    /// of `d = 128` rows (32 KiB) left the later passes reading L2, not L1
+    /// (grouped-query decoding stacks 4–8 rows, two value vectors a pass
+    /// on AVX2: eight passes). The sums carry from chunk to chunk in
+    /// [`Carry`], so every row's bits are those of one pass.
+    ///
     /// # Safety
     /// The CPU has `V`'s instruction set; the block's `MR` rows and
     /// `vectors` value vectors are inside the matrices, as
@@ -197,6 +208,49 @@ impl<E: Load> ValueBlock<E> {
         self,
         vectors: usize,
     ) {
+        // SAFETY: the caller's; the carry holds `MR · value_width` numbers.
+        unsafe {
+            let row_bytes = self.value_width * size_of::<E>();
+            let chunk = (CHUNK_BYTES / row_bytes).max(1);
+            let passes = if MR == 1 && PREFETCH {
+                vectors.div_ceil(8)
+            } else {
+                vectors.div_ceil(NV)
+            };
+            let fits = MR * self.value_width <= CARRY_NUMBERS;
+            if !(PREFETCH && passes > 1 && fits && self.keys > chunk) {
+                self.columns::<V, MR, NV, SKIP, PREFETCH>(vectors, Pass::Whole);
+                return;
+            }
+            let mut carry = Carry::new();
+            let mut start = 0;
+            while start < self.keys {
+                let end = (start + chunk).min(self.keys);
+                let keys = start..end;
+                self.columns::<V, MR, NV, SKIP, PREFETCH>(vectors, Pass::Chunk(keys, &mut carry));
+                start = end;
+            }
+            self.columns::<V, MR, NV, SKIP, PREFETCH>(vectors, Pass::Finish(&carry));
+        }
+    }
+
+    /// One pass of the block's `MR` rows over all `vectors` value vectors,
+    /// `NV` at a time.
+    ///
+    /// # Safety
+    /// As [`ValueBlock::run_columns`].
+    #[inline(always)]
+    unsafe fn columns<
+        V: Vector,
+        const MR: usize,
+        const NV: usize,
+        const SKIP: bool,
+        const PREFETCH: bool,
+    >(
+        self,
+        vectors: usize,
+        mut pass: Pass<'_>,
+    ) {
         // SAFETY: the caller guarantees the instruction set and the sizes;
         // `c0 + W <= vectors` for every run below.
         unsafe {
@@ -206,26 +260,26 @@ impl<E: Load> ValueBlock<E> {
             // rather than once per `NV` vectors.
             if MR == 1 && PREFETCH {
                 while c0 + 8 <= vectors {
-                    self.run::<V, 1, 8, SKIP, PREFETCH>(c0);
+                    self.run::<V, 1, 8, SKIP, PREFETCH>(c0, pass.reborrow());
                     c0 += 8;
                 }
             }
             while c0 + NV <= vectors {
-                self.run::<V, MR, NV, SKIP, PREFETCH>(c0);
+                self.run::<V, MR, NV, SKIP, PREFETCH>(c0, pass.reborrow());
                 c0 += NV;
             }
             // The last few value vectors, with a narrower register tile.
             match vectors - c0 {
                 0 => {}
-                1 => self.run::<V, MR, 1, SKIP, PREFETCH>(c0),
-                2 => self.run::<V, MR, 2, SKIP, PREFETCH>(c0),
-                3 => self.run::<V, MR, 3, SKIP, PREFETCH>(c0),
+                1 => self.run::<V, MR, 1, SKIP, PREFETCH>(c0, pass),
+                2 => self.run::<V, MR, 2, SKIP, PREFETCH>(c0, pass),
+                3 => self.run::<V, MR, 3, SKIP, PREFETCH>(c0, pass),
                 _ => unreachable!("NV is at most 4"),
             }
         }
     }
 
-    /// Value vectors `c0..c0 + W` of the block's `MR` rows.
+    /// Value vectors `c0..c0 + W` of the block's `MR` rows, for `pass`.
     ///
     /// # Safety
     /// As [`ValueBlock::run_columns`], for these rows and vectors.
@@ -239,20 +293,96 @@ impl<E: Load> ValueBlock<E> {
     >(
         self,
         c0: usize,
+        pass: Pass<'_>,
     ) {
         // SAFETY: the caller guarantees the instruction set, and that these
-        // rows, keys and value vectors are inside the matrices.
+        // rows, keys and value vectors are inside the matrices (and the
+        // carry, which holds `MR` rows of `value_width`).
         unsafe {
             let column = c0 * V::LANES;
+            // Where sum `(r, c)` of this block is carried.
+            let carried = |r: usize, c: usize| r * self.value_width + column + c * V::LANES;
             // This tile's P·V is summed from zero and only then added to the
             // rescaled O: 64 terms per sum instead of len_kv, which keeps
             // the rounding error of long rows at the blocked-sum level.
             let mut acc = [[V::splat(0.0); W]; MR];
+            match pass {
+                Pass::Whole => {
+                    self.accumulate::<V, MR, W, SKIP, PREFETCH>(c0, 0..self.keys, &mut acc);
+                }
+                Pass::Chunk(keys, carry) => {
+                    if keys.start > 0 {
+                        for (r, acc_row) in acc.iter_mut().enumerate() {
+                            for (c, x) in acc_row.iter_mut().enumerate() {
+                                *x = V::load(carry.as_ptr().add(carried(r, c)));
+                            }
+                        }
+                    }
+                    self.accumulate::<V, MR, W, SKIP, PREFETCH>(c0, keys, &mut acc);
+                    for (r, acc_row) in acc.iter().enumerate() {
+                        for (c, x) in acc_row.iter().enumerate() {
+                            x.store(carry.as_mut_ptr().add(carried(r, c)));
+                        }
+                    }
+                    return;
+                }
+                Pass::Finish(carry) => {
+                    for (r, acc_row) in acc.iter_mut().enumerate() {
+                        for (c, x) in acc_row.iter_mut().enumerate() {
+                            *x = V::load(carry.as_ptr().add(carried(r, c)));
+                        }
+                    }
+                }
+            }
+            // O ← α·O + acc, or O + acc where every α is 1 (no row's
+            // maximum moved: most tiles once a row has seen a few), the
+            // same bits (`1·o` is exact) with an add, which Zen 4 runs
+            // beside its two FMA pipes.
+            let alphas: [f32; MR] = std::array::from_fn(|r| *self.alpha.add(r));
+            let unscaled = alphas.iter().all(|&a| a == 1.0);
+            for (r, acc_row) in acc.iter().enumerate() {
+                let a = V::splat(alphas[r]);
+                for (c, x) in acc_row.iter().enumerate() {
+                    let o = self.o.add(r * self.value_width + column + c * V::LANES);
+                    let o_new = if unscaled {
+                        V::load(o).add(*x)
+                    } else {
+                        V::load(o).mul_add(a, *x)
+                    };
+                    o_new.store(o);
+                }
+            }
+        }
+    }
+
+    /// `acc[r] += Σ_j p[r][j]·v[j]` over `keys`, in key order, for value
+    /// vectors `c0..c0 + W` of the block's `MR` rows.
+    ///
+    /// # Safety
+    /// As [`ValueBlock::run`], for these keys.
+    #[inline(always)]
+    unsafe fn accumulate<
+        V: Vector,
+        const MR: usize,
+        const W: usize,
+        const SKIP: bool,
+        const PREFETCH: bool,
+    >(
+        self,
+        c0: usize,
+        keys: Range<usize>,
+        acc: &mut [[V; W]; MR],
+    ) {
+        // SAFETY: the caller's.
+        unsafe {
+            let column = c0 * V::LANES;
             // Each row's weights are walked with a pointer: `Weights::at`
             // multiplied the strides out for every weight.
-            let mut weights: [*const f32; MR] =
-                std::array::from_fn(|r| self.p.starting_at_row(r).ptr);
-            for j in 0..self.keys {
+            let mut weights: [*const f32; MR] = std::array::from_fn(|r| {
+                let row = self.p.starting_at_row(r).ptr;
+                row.wrapping_offset(keys.start as isize * self.p.key_stride)
+            });
+            for j in keys {
                 let v_row = self.v.row(j).add(column);
                 if PREFETCH && c0 == 0 {
                     // Later column blocks find the rows in L1.
@@ -275,24 +405,57 @@ impl<E: Load> ValueBlock<E> {
                     }
                 }
             }
-            // O ← α·O + acc, or O + acc where every α is 1 (no row's
-            // maximum moved: most tiles once a row has seen a few), the
-            // same bits (`1·o` is exact) with an add, which Zen 4 runs
-            // beside its two FMA pipes.
-            let alphas: [f32; MR] = std::array::from_fn(|r| *self.alpha.add(r));
-            let unscaled = alphas.iter().all(|&a| a == 1.0);
-            for (r, acc_row) in acc.iter().enumerate() {
-                let a = V::splat(alphas[r]);
-                for (c, x) in acc_row.iter().enumerate() {
-                    let o = self.o.add(r * self.value_width + column + c * V::LANES);
-                    let o_new = if unscaled {
-                        V::load(o).add(*x)
-                    } else {
-                        V::load(o).mul_add(a, *x)
-                    };
-                    o_new.store(o);
-                }
-            }
+        }
+    }
+}
+
+/// How many bytes of value rows read in place one chunk of
+/// [`ValueBlock::run_columns`] covers: a quarter of the smallest L1d of
+/// the CPUs it runs on (32 KiB, Zen 3 and 4), room for the weights, the
+/// output rows and the next rows' prefetches beside it.
+const CHUNK_BYTES: usize = 8 * 1024;
+
+/// The most numbers (`MR` rows × `value_width`) the sums of a chunked
+/// block carry between chunks: 12 KiB of stack; wider blocks are not
+/// chunked.
+const CARRY_NUMBERS: usize = 3 * 1024;
+
+/// The sums of a chunked block between its chunks: row `r`'s sums at
+/// `r · value_width`.
+struct Carry([MaybeUninit<f32>; CARRY_NUMBERS]);
+
+impl Carry {
+    fn new() -> Self {
+        Self([const { MaybeUninit::uninit() }; CARRY_NUMBERS])
+    }
+
+    fn as_ptr(&self) -> *const f32 {
+        self.0.as_ptr().cast()
+    }
+
+    fn as_mut_ptr(&mut self) -> *mut f32 {
+        self.0.as_mut_ptr().cast()
+    }
+}
+
+/// What one pass of [`ValueBlock::columns`] does.
+enum Pass<'a> {
+    /// All the keys: `O ← α·O + P·V`.
+    Whole,
+    /// The keys of one chunk, their sums added to those carried (stored
+    /// there; the first chunk starts from zero).
+    Chunk(Range<usize>, &'a mut Carry),
+    /// `O ← α·O + P·V` from the carried sums.
+    Finish(&'a Carry),
+}
+
+impl Pass<'_> {
+    /// The same pass again, for the next column block.
+    fn reborrow(&mut self) -> Pass<'_> {
+        match self {
+            Pass::Whole => Pass::Whole,
+            Pass::Chunk(keys, carry) => Pass::Chunk(keys.clone(), carry),
+            Pass::Finish(carry) => Pass::Finish(carry),
         }
     }
 }
