@@ -576,3 +576,49 @@ fn decoding_never_lets_masked_nan_through() {
         check_contiguous(set, &case, &inputs, 2e-6);
     }
 }
+
+#[test]
+fn grouped_decoding_gives_each_row_the_bits_of_its_repeated_head() {
+    // Decoding stacks the rows of a group's query heads in one tile; each
+    // row must come out as it does with its key/value head repeated (one
+    // query head per tile), whatever the options, to the bit.
+    let mut rng = Rng(11);
+    for set in available_kernel_sets() {
+        for (n, case) in all_cases().iter().enumerate() {
+            let len_q = 1 + n % 3;
+            let (d_k, d_v) = [(128, 128), (64, 16), (17, 5)][n % 3];
+            let inputs = inputs(&mut rng, 2, 8, 2, len_q, 300 + 7 * n, d_k, d_v, 1.0);
+            let repeat = |a: &Array4<f64>| {
+                let [b, _, l, d] = [a.shape()[0], a.shape()[1], a.shape()[2], a.shape()[3]];
+                to_f32(&Array4::from_shape_fn((b, 8, l, d), |(b, h, j, c)| {
+                    a[[b, h / 4, j, c]]
+                }))
+            };
+            let bias = to_f32(&inputs.bias);
+            let opts = options(
+                case,
+                &inputs.keep_mask,
+                &bias,
+                &inputs.key_lengths,
+                case.scale.map(|s| s as f32),
+            );
+            let q = to_f32(&inputs.q);
+            let (k, v) = (to_f32(&inputs.k), to_f32(&inputs.v));
+            let grouped = on(set, || {
+                sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
+            })
+            .expect("grouped call");
+            let (k, v) = (repeat(&inputs.k), repeat(&inputs.v));
+            let repeated = on(set, || {
+                sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
+            })
+            .expect("repeated call");
+            let bits = |a: &Array4<f32>| a.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&grouped),
+                bits(&repeated),
+                "{set}: {case:?}, len_q {len_q}, d {d_k}/{d_v}"
+            );
+        }
+    }
+}
