@@ -38,15 +38,17 @@ pub(crate) struct PackedHead<'a> {
 enum HeadRows<'a> {
     /// Nowhere: not asked for, or not packed yet.
     Absent,
-    /// The caller's `f32` rows, as they are: each row contiguous and a
-    /// whole number of vectors wide, the `accumulate_values` kernel reads
+    /// The caller's `f32` rows, as they are: each row contiguous, a whole
+    /// number of vectors wide and starting on a vector boundary
+    /// ([`rows_on_vector_boundaries`]), the `accumulate_values` kernel reads
     /// them where they lie, and a copy would cost a pass over them per head
     /// for nothing (the packed value rows were about 1.5% of a 256-token
     /// forward on Zen 4).
     InPlace(ArrayView2<'a, f32>),
     /// Copied into a buffer `[len_kv padded][row_width]`, rows padded with
     /// zeros to whole vectors and the keys to whole tiles: rows in half
-    /// precision (widened), strided across their numbers, or ragged.
+    /// precision (widened), strided across their numbers, ragged, or off
+    /// the vectors' boundaries.
     Packed(Scratch),
 }
 
@@ -110,7 +112,9 @@ impl<'a> PackedHead<'a> {
             }
         };
         let in_place = E::as_f32(for_rows).filter(|rows| {
-            rows.ncols() == self.row_width && (rows.ncols() <= 1 || rows.strides()[1] == 1)
+            rows.ncols() == self.row_width
+                && (rows.ncols() <= 1 || rows.strides()[1] == 1)
+                && rows_on_vector_boundaries::<K>(rows)
         });
         if let Some(rows) = in_place {
             for (nonfinite, tile) in self
@@ -200,6 +204,22 @@ impl<'a> PackedHead<'a> {
     pub(crate) fn tile_panels(&self, j0: usize, panel_width: usize) -> &[f32] {
         &self.panels[j0 * panel_width..(j0 + KEY_TILE) * panel_width]
     }
+}
+
+/// Whether every row of `rows` starts on a boundary of `K`'s vectors, so
+/// that no vector load of a row read in place straddles two cache lines.
+/// A caller's array rarely does: a large `Vec` comes from `mmap` 16 bytes
+/// past a page boundary, and there every other 32-byte load of a row split
+/// across two lines; reading such rows in place made the `P·V` kernel the
+/// slower of the two at d = 128 on Zen 3 (AVX2), and packing them into an
+/// aligned buffer instead measured +2–6% on a whole forward there
+/// (`docs/PERFORMANCE.md`).
+fn rows_on_vector_boundaries<K: Kernel>(rows: &ArrayView2<'_, f32>) -> bool {
+    let vector_bytes = K::LANES * size_of::<f32>();
+    let start = rows.as_ptr() as usize;
+    let stride_bytes = rows.strides()[0].unsigned_abs() * size_of::<f32>();
+    start.is_multiple_of(vector_bytes)
+        && (rows.nrows() <= 1 || stride_bytes.is_multiple_of(vector_bytes))
 }
 
 /// One query head's rows for the backward, packed for the kernels; rows

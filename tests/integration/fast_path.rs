@@ -622,3 +622,77 @@ fn grouped_decoding_gives_each_row_the_bits_of_its_repeated_head() {
         }
     }
 }
+
+/// `x` copied into a buffer `offset` elements past a 64-byte boundary, and
+/// that buffer (the view's storage).
+fn placed(x: &Array4<f32>, offset: usize) -> (Vec<f32>, usize) {
+    let mut buffer = vec![0.0f32; x.len() + 32];
+    let aligned = (64 - buffer.as_ptr() as usize % 64) % 64 / size_of::<f32>();
+    let start = aligned + offset;
+    buffer[start..start + x.len()].copy_from_slice(x.as_slice().expect("standard layout"));
+    (buffer, start)
+}
+
+#[test]
+fn rows_on_or_off_vector_boundaries_give_the_same_bits() {
+    // The fused path reads value rows (and, backward, key rows) where they
+    // lie only when each starts on a vector boundary, and packs them into
+    // an aligned buffer otherwise: the same sums either way.
+    let mut rng = Rng(11);
+    for set in available_kernel_sets() {
+        for (len, d) in [(70, 16), (130, 64), (67, 128)] {
+            let dim = (1, 2, len, d);
+            let (q, k, v) = (
+                to_f32(&rng.array(dim, 1.0)),
+                to_f32(&rng.array(dim, 1.0)),
+                to_f32(&rng.array(dim, 1.0)),
+            );
+            let d_out = to_f32(&rng.array(dim, 1.0));
+            for causal in [false, true] {
+                let opts = if causal {
+                    AttentionOptions::new().causal()
+                } else {
+                    AttentionOptions::new()
+                };
+                let run = |offset: usize| {
+                    let ((k_buffer, k_start), (v_buffer, v_start)) =
+                        (placed(&k, offset), placed(&v, offset));
+                    let k = ArrayView4::from_shape(dim, &k_buffer[k_start..k_start + k.len()])
+                        .expect("the same shape");
+                    let v = ArrayView4::from_shape(dim, &v_buffer[v_start..v_start + v.len()])
+                        .expect("the same shape");
+                    on(set, || {
+                        let forward =
+                            sdpa::scaled_dot_product_attention_partial(q.view(), k, v, &opts)
+                                .expect("valid shapes");
+                        let gradients = sdpa::scaled_dot_product_attention_backward(
+                            q.view(),
+                            k,
+                            v,
+                            &opts,
+                            &forward,
+                            d_out.view(),
+                        )
+                        .expect("valid shapes");
+                        let bits = |x: ArrayView4<f32>| x.iter().map(|x| x.to_bits()).collect();
+                        let all: [Vec<u32>; 4] = [
+                            bits(forward.output()),
+                            bits(gradients.d_q.view()),
+                            bits(gradients.d_k.view()),
+                            bits(gradients.d_v.view()),
+                        ];
+                        all
+                    })
+                };
+                let aligned = run(0);
+                for offset in [1, 4, 8] {
+                    assert_eq!(
+                        run(offset),
+                        aligned,
+                        "{set}: len {len}, d {d}, causal {causal}, {offset} floats off a 64-byte boundary"
+                    );
+                }
+            }
+        }
+    }
+}
