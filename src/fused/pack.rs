@@ -212,8 +212,8 @@ impl<'a> PackedHead<'a> {
 /// past a page boundary, and there every other 32-byte load of a row split
 /// across two lines; reading such rows in place made the `P·V` kernel the
 /// slower of the two at d = 128 on Zen 3 (AVX2), and packing them into an
-/// aligned buffer instead measured +2–6% on a whole forward there
-/// (`docs/PERFORMANCE.md`).
+/// aligned buffer instead measured +0–4% on a whole forward there, d = 64
+/// and 128 (`docs/PERFORMANCE.md`).
 fn rows_on_vector_boundaries<K: Kernel>(rows: &ArrayView2<'_, f32>) -> bool {
     let vector_bytes = K::LANES * size_of::<f32>();
     let start = rows.as_ptr() as usize;

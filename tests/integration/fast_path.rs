@@ -627,8 +627,7 @@ fn grouped_decoding_gives_each_row_the_bits_of_its_repeated_head() {
 /// that buffer (the view's storage).
 fn placed(x: &Array4<f32>, offset: usize) -> (Vec<f32>, usize) {
     let mut buffer = vec![0.0f32; x.len() + 32];
-    let aligned = (64 - buffer.as_ptr() as usize % 64) % 64 / size_of::<f32>();
-    let start = aligned + offset;
+    let start = buffer.as_ptr().align_offset(64) + offset;
     buffer[start..start + x.len()].copy_from_slice(x.as_slice().expect("standard layout"));
     (buffer, start)
 }
