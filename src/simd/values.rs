@@ -213,7 +213,7 @@ impl<E: Load> ValueBlock<E> {
             let row_bytes = self.value_width * size_of::<E>();
             let chunk = (CHUNK_BYTES / row_bytes).max(1);
             let passes = if MR == 1 && PREFETCH {
-                vectors.div_ceil(8)
+                vectors.div_ceil(one_row_vectors::<E>())
             } else {
                 vectors.div_ceil(NV)
             };
@@ -256,9 +256,13 @@ impl<E: Load> ValueBlock<E> {
         unsafe {
             let mut c0 = 0;
             // One row read in place (decoding): all its value vectors in
-            // one pass over the keys, up to 8, so each row is read once
-            // rather than once per `NV` vectors.
+            // one pass over the keys, up to `one_row_vectors`, so each row
+            // is read once rather than once per `NV` vectors.
             if MR == 1 && PREFETCH {
+                while !E::WIDENS && c0 + ONE_ROW_VECTORS <= vectors {
+                    self.run::<V, 1, ONE_ROW_VECTORS, SKIP, PREFETCH>(c0, pass.reborrow());
+                    c0 += ONE_ROW_VECTORS;
+                }
                 while c0 + 8 <= vectors {
                     self.run::<V, 1, 8, SKIP, PREFETCH>(c0, pass.reborrow());
                     c0 += 8;
@@ -407,6 +411,23 @@ impl<E: Load> ValueBlock<E> {
             }
         }
     }
+}
+
+/// The most `f32` value vectors one row read in place (decoding) sums in
+/// one pass over the keys: 16, a `d = 128` row in one pass on AVX2 (16
+/// accumulators and the weight: LLVM keeps one accumulator on the stack,
+/// the rows stay FMA memory operands). Two passes of 8 over 8 KiB chunks
+/// measured slower on an AMD Zen 3 (see `docs/PERFORMANCE.md`). Wider
+/// sets reach 16 vectors only at `d ≥ 256` (AVX-512) or `d ≥ 64` (NEON),
+/// where they have 32 registers.
+const ONE_ROW_VECTORS: usize = 16;
+
+/// [`ONE_ROW_VECTORS`] for rows of `f32`; 8 for rows widened from half
+/// precision, whose widened vectors need registers of their own: 16 of
+/// them spilled to the stack and made a `bf16` cache step 2.4–3.7× slower
+/// on Zen 3.
+const fn one_row_vectors<E: Load>() -> usize {
+    if E::WIDENS { 8 } else { ONE_ROW_VECTORS }
 }
 
 /// How many bytes of value rows read in place one chunk of

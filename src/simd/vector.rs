@@ -232,6 +232,11 @@ pub(crate) unsafe trait Vector: Copy {
 /// `bf16` and `f16` widened by the load itself, so a half-precision KV
 /// cache is read once, in its own bytes, with no widened copy.
 pub(crate) trait Load: Copy + Send + Sync + 'static {
+    /// Whether [`Load::load`] converts (half precision) rather than reads
+    /// `f32` as it is: a widened vector needs a register of its own before
+    /// it is used, where an `f32` one can be an FMA's memory operand.
+    const WIDENS: bool;
+
     /// `V::LANES` elements read from `ptr`, as `f32` (exactly: every
     /// element of these types is an `f32`).
     ///
@@ -249,6 +254,8 @@ pub(crate) trait Load: Copy + Send + Sync + 'static {
 }
 
 impl Load for f32 {
+    const WIDENS: bool = false;
+
     #[inline(always)]
     unsafe fn load<V: Vector>(ptr: *const f32) -> V {
         // SAFETY: the caller's guarantees are `V::load`'s.
@@ -267,6 +274,8 @@ impl Load for f32 {
 
 #[cfg(feature = "half")]
 impl Load for half::bf16 {
+    const WIDENS: bool = true;
+
     #[inline(always)]
     unsafe fn load<V: Vector>(ptr: *const half::bf16) -> V {
         // SAFETY: the caller's guarantees are `V::load_bf16`'s; a `bf16` is
@@ -286,6 +295,8 @@ impl Load for half::bf16 {
 
 #[cfg(feature = "half")]
 impl Load for half::f16 {
+    const WIDENS: bool = true;
+
     #[inline(always)]
     unsafe fn load<V: Vector>(ptr: *const half::f16) -> V {
         // SAFETY: the caller's guarantees are `V::load_f16`'s; an `f16` is
