@@ -424,7 +424,7 @@ const ONE_ROW_VECTORS: usize = 16;
 
 /// [`ONE_ROW_VECTORS`] for rows of `f32`; 8 for rows widened from half
 /// precision, whose widened vectors need registers of their own: 16 of
-/// them spilled to the stack and made a `bf16` cache step 2.4–3.7× slower
+/// them spilled to the stack and made a `bf16` cache step 3.7–4.1× slower
 /// on Zen 3.
 const fn one_row_vectors<E: Load>() -> usize {
     if E::WIDENS { 8 } else { ONE_ROW_VECTORS }
