@@ -592,9 +592,8 @@ fn check_skipping_zero_weights<K: Kernel>(
 #[test]
 fn tile_kernels_match_the_formulas() {
     for d in [1, 3, 16, 17, 64, 65] {
-        // Up to 16 vectors (and more) of one row read in place go in one
-        // pass: 200 columns are 16 + 9 vectors on AVX2, 272 are 16 + 1 on
-        // AVX-512.
+        // One row read in place takes up to 16 vectors a pass: 200 columns
+        // are 16 + 8 + 1 vectors on AVX2, 272 are 16 + 1 on AVX-512.
         for value_columns in [1, 5, 16, 48, 64, 65, 100, 128, 200, 272] {
             for_each_kernel_set(TileCheck { d, value_columns });
         }

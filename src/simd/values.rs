@@ -212,11 +212,7 @@ impl<E: Load> ValueBlock<E> {
         unsafe {
             let row_bytes = self.value_width * size_of::<E>();
             let chunk = (CHUNK_BYTES / row_bytes).max(1);
-            let passes = if MR == 1 && PREFETCH {
-                vectors.div_ceil(one_row_vectors::<E>())
-            } else {
-                vectors.div_ceil(NV)
-            };
+            let passes = column_passes::<E>(MR == 1 && PREFETCH, vectors, NV);
             let fits = MR * self.value_width <= CARRY_NUMBERS;
             if !(PREFETCH && passes > 1 && fits && self.keys > chunk) {
                 self.columns::<V, MR, NV, SKIP, PREFETCH>(vectors, Pass::Whole);
@@ -417,9 +413,9 @@ impl<E: Load> ValueBlock<E> {
 /// one pass over the keys: 16, a `d = 128` row in one pass on AVX2 (16
 /// accumulators and the weight: LLVM keeps one accumulator on the stack,
 /// the rows stay FMA memory operands). Two passes of 8 over 8 KiB chunks
-/// measured slower on an AMD Zen 3 (see `docs/PERFORMANCE.md`). Wider
-/// sets reach 16 vectors only at `d ≥ 256` (AVX-512) or `d ≥ 64` (NEON),
-/// where they have 32 registers.
+/// measured slower on an AMD Zen 3 (see `docs/PERFORMANCE.md`). The
+/// other sets reach 16 vectors at `d ≥ 256` (AVX-512) and `d ≥ 64`
+/// (NEON), with 32 registers, and the scalar set at `d ≥ 16`.
 const ONE_ROW_VECTORS: usize = 16;
 
 /// [`ONE_ROW_VECTORS`] for rows of `f32`; 8 for rows widened from half
@@ -428,6 +424,27 @@ const ONE_ROW_VECTORS: usize = 16;
 /// on Zen 3.
 const fn one_row_vectors<E: Load>() -> usize {
     if E::WIDENS { 8 } else { ONE_ROW_VECTORS }
+}
+
+/// How many passes over the keys [`ValueBlock::columns`] makes for
+/// `vectors` value vectors, `nv` a pass, or for one row read in place
+/// (`one_row`) [`one_row_vectors`], then 8, then `nv` at a time; a last
+/// narrower tile is one more pass. It decides whether the keys are
+/// chunked, so it counts exactly what `columns` does.
+const fn column_passes<E: Load>(one_row: bool, vectors: usize, nv: usize) -> usize {
+    let (mut passes, mut rest) = (0, vectors);
+    if one_row {
+        let wide = one_row_vectors::<E>();
+        passes += rest / wide;
+        rest %= wide;
+        if wide > 8 {
+            passes += rest / 8;
+            rest %= 8;
+        }
+    }
+    passes += rest / nv;
+    rest %= nv;
+    passes + (rest > 0) as usize
 }
 
 /// How many bytes of value rows read in place one chunk of
@@ -478,5 +495,29 @@ impl Pass<'_> {
             Pass::Chunk(keys, carry) => Pass::Chunk(keys.clone(), carry),
             Pass::Finish(carry) => Pass::Finish(carry),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::column_passes;
+
+    /// The count that decides chunking walks the tiles `columns` runs.
+    #[test]
+    fn column_passes_counts_the_passes_columns_makes() {
+        // One f32 row in place on AVX2 (`NV` = 2): d = 128, 96, 200, 48.
+        assert_eq!(column_passes::<f32>(true, 16, 2), 1);
+        assert_eq!(column_passes::<f32>(true, 12, 2), 3); // 8 + 2 + 2
+        assert_eq!(column_passes::<f32>(true, 25, 2), 3); // 16 + 8 + 1
+        assert_eq!(column_passes::<f32>(true, 6, 2), 3);
+        // Widened rows keep 8 vectors a pass.
+        #[cfg(feature = "half")]
+        {
+            assert_eq!(column_passes::<half::bf16>(true, 16, 2), 2);
+            assert_eq!(column_passes::<half::f16>(true, 12, 2), 3);
+        }
+        // Stacked rows: `NV` at a time and one narrower tile.
+        assert_eq!(column_passes::<f32>(false, 16, 4), 4);
+        assert_eq!(column_passes::<f32>(false, 17, 4), 5);
     }
 }
