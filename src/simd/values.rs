@@ -255,7 +255,9 @@ impl<E: Load> ValueBlock<E> {
             // one pass over the keys, up to `one_row_vectors`, so each row
             // is read once rather than once per `NV` vectors.
             if MR == 1 && PREFETCH {
-                while !E::WIDENS && c0 + ONE_ROW_VECTORS <= vectors {
+                // `one_row_vectors` picks the width; a const generic needs
+                // it spelled as the constant.
+                while one_row_vectors::<E>() == ONE_ROW_VECTORS && c0 + ONE_ROW_VECTORS <= vectors {
                     self.run::<V, 1, ONE_ROW_VECTORS, SKIP, PREFETCH>(c0, pass.reborrow());
                     c0 += ONE_ROW_VECTORS;
                 }
