@@ -92,10 +92,28 @@ pub(crate) trait Query: simd::Load + num_traits::Float {
     /// where [`all_bf16`](Self::all_bf16) held, so the bits are exact.
     #[cfg_attr(not(feature = "half"), allow(dead_code))]
     fn bf16_pairs(row: &[Self], pairs: &mut [u32]);
+
+    /// The queries as `bf16` where they are stored so, for passes that
+    /// read their bits (the `bf16` prefill's magnitude bound); `None` for
+    /// other types.
+    #[cfg(feature = "half")]
+    fn as_bf16<'v>(q: &ArrayView4<'v, Self>) -> Option<ArrayView4<'v, half::bf16>>;
+
+    /// A bound on the magnitudes of `x`: the largest `|x|`, or `+inf` when
+    /// one is NaN or infinite ([`Kernel::max_abs`](simd::Kernel)). `bf16`
+    /// reads it from the bits, 32 numbers an instruction.
+    fn magnitude_bound<K: simd::Kernel>(kernel: K, x: &[Self]) -> f32 {
+        kernel.max_abs(x)
+    }
 }
 impl Query for f32 {
     fn bf16_pairs(row: &[f32], pairs: &mut [u32]) {
         tile::bf16_pairs(row, pairs);
+    }
+
+    #[cfg(feature = "half")]
+    fn as_bf16<'v>(_: &ArrayView4<'v, f32>) -> Option<ArrayView4<'v, half::bf16>> {
+        None
     }
 
     fn all_bf16(q: &ArrayView4<'_, f32>) -> bool {
@@ -126,6 +144,20 @@ impl Query for half::bf16 {
             tile::bf16_pairs(&widened, pairs);
         }
     }
+
+    fn as_bf16<'v>(q: &ArrayView4<'v, half::bf16>) -> Option<ArrayView4<'v, half::bf16>> {
+        Some(*q)
+    }
+
+    fn magnitude_bound<K: simd::Kernel>(_: K, x: &[half::bf16]) -> f32 {
+        // Magnitude bits order magnitudes; from `inf`'s up, not finite.
+        let bits = simd::max_bf16_magnitude_bits(x);
+        if bits >= half::bf16::INFINITY.to_bits() {
+            f32::INFINITY
+        } else {
+            half::bf16::from_bits(bits).to_f32()
+        }
+    }
 }
 #[cfg(feature = "half")]
 impl Query for half::f16 {
@@ -141,6 +173,10 @@ impl Query for half::f16 {
             .map(|x| half::bf16::from_f32(x.to_f32()).to_f32())
             .collect();
         tile::bf16_pairs(&rounded, pairs);
+    }
+
+    fn as_bf16<'v>(_: &ArrayView4<'v, half::f16>) -> Option<ArrayView4<'v, half::bf16>> {
+        None
     }
 }
 

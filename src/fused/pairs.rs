@@ -19,7 +19,7 @@
 //! beyond the `f32` path's error.
 
 use half::bf16;
-use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4};
+use ndarray::{ArrayView, ArrayView2, ArrayViewMut3, ArrayViewMut4, Dimension};
 
 use super::forward::{self, forward_or_decode, prefill_with};
 use super::scratch::Scratch;
@@ -28,7 +28,9 @@ use super::{KEY_TILE, Output, Query, forward_query_tile};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
-use crate::simd::{Kernel, Load, PAIR_KEYS, PairKernels, WeightPrecision, WithKernel};
+use crate::simd::{
+    Kernel, Load, PAIR_KEYS, PairKernels, WeightPrecision, WithKernel, max_bf16_magnitude_bits,
+};
 
 const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
 
@@ -77,37 +79,41 @@ impl<Q: Query, O: Output> WithKernel for Bf16Forward<'_, '_, Q, O> {
     }
 }
 
-/// The magnitudes of one head's keys, from one pass over them.
+/// The magnitudes of some `bf16` numbers (a head's keys, a call's
+/// queries), from their bits.
 #[derive(Clone, Copy, Default)]
-struct KeyMagnitude {
-    /// The largest magnitude bits among the finite keys: those of the
-    /// largest finite `|k|`.
+struct Magnitude {
+    /// The largest magnitude bits among the finite numbers: those of the
+    /// largest finite `|x|`.
     max_bits: u16,
-    /// Whether a key holds NaN or an infinity.
+    /// Whether a number is NaN or an infinity.
     has_nonfinite: bool,
 }
 
-impl KeyMagnitude {
-    /// The magnitudes of `keys`, in any order: one pass (a plain maximum,
-    /// which vectorizes), and a second only when the first met NaN or an
-    /// infinity.
-    fn of<'x>(keys: impl Iterator<Item = &'x bf16> + Clone) -> Self {
+impl Magnitude {
+    /// The magnitudes of `x`, in any order: one pass (the vector kernel's,
+    /// where `x` is one block of memory), and a second only when the first
+    /// met NaN or an infinity.
+    fn of<D: Dimension>(x: ArrayView<'_, bf16, D>) -> Self {
         let magnitude = |x: &bf16| x.to_bits() & MAGNITUDE;
-        let max_bits = keys.clone().map(magnitude).fold(0, u16::max);
+        let max_bits = match x.as_slice_memory_order() {
+            Some(x) => max_bf16_magnitude_bits(x),
+            None => x.iter().map(magnitude).fold(0, u16::max),
+        };
         if max_bits < INFINITY_BITS {
             return Self {
                 max_bits,
                 has_nonfinite: false,
             };
         }
-        let finite = keys.map(magnitude).filter(|&bits| bits < INFINITY_BITS);
+        let finite = x.iter().map(magnitude).filter(|&bits| bits < INFINITY_BITS);
         Self {
             max_bits: finite.fold(0, u16::max),
             has_nonfinite: true,
         }
     }
 
-    /// The largest finite `|k|`.
+    /// The largest finite `|x|`.
     fn max_abs(self) -> f32 {
         bf16::from_bits(self.max_bits).to_f32()
     }
@@ -128,26 +134,21 @@ const MAGNITUDE: u16 = 0x7fff;
 /// The magnitude bits of `±inf`: larger ones are NaN, smaller ones finite.
 const INFINITY_BITS: u16 = 0x7f80;
 
-/// Each `(batch, kv_head)`'s [`KeyMagnitude`], in job order.
+/// Each `(batch, kv_head)`'s key [`Magnitude`], in job order.
 ///
 /// # Errors
 /// When the list cannot be allocated.
-fn key_magnitudes<Q>(call: &Call<'_, f32, bf16, Q>) -> Result<Vec<KeyMagnitude>, AttentionError> {
+fn key_magnitudes<Q>(call: &Call<'_, f32, bf16, Q>) -> Result<Vec<Magnitude>, AttentionError> {
     let shape = call.shape;
     let what = "key magnitudes";
     let mut magnitudes = try_filled(
         what,
-        element_count::<KeyMagnitude>(what, &[shape.batch, shape.kv_heads])?,
-        KeyMagnitude::default(),
+        element_count::<Magnitude>(what, &[shape.batch, shape.kv_heads])?,
+        Magnitude::default(),
     )?;
     let heads = (0..shape.batch).flat_map(|b| (0..shape.kv_heads).map(move |h| (b, h)));
     for (magnitude, (b, kv_h)) in magnitudes.iter_mut().zip(heads) {
-        let k = head(&call.k, b, kv_h);
-        *magnitude = match k.as_slice_memory_order() {
-            // By slice where it is one (it vectorizes); the order does not matter.
-            Some(k) => KeyMagnitude::of(k.iter()),
-            None => KeyMagnitude::of(k.iter()),
-        };
+        *magnitude = Magnitude::of(head(&call.k, b, kv_h));
     }
     Ok(magnitudes)
 }
@@ -161,17 +162,21 @@ fn key_magnitudes<Q>(call: &Call<'_, f32, bf16, Q>) -> Result<Vec<KeyMagnitude>,
 fn products_may_overflow<K: Kernel, Q: Query>(
     kernel: K,
     call: &Call<'_, f32, bf16, Q>,
-    magnitudes: &[KeyMagnitude],
+    magnitudes: &[Magnitude],
 ) -> bool {
-    // The kernel's vector pass first, over the queries' memory in any
-    // order where it is one block; it says `+inf` for NaN as for
+    // `bf16` queries by their bits. Else (a `bf16` cache's queries,
+    // widened) the kernel's vector pass first, over the queries' memory in
+    // any order where it is one block; it says `+inf` for NaN as for
     // infinities, and then the element-wise fold decides.
-    let max_abs_q = match call.q.as_slice_memory_order().map(|q| kernel.max_abs(q)) {
-        Some(max) if max.is_finite() => max,
-        _ => call.q.fold(0.0f32, |max, x| {
-            let x = Load::to_f32(*x).abs();
-            if x.is_finite() { max.max(x) } else { max }
-        }),
+    let max_abs_q = match Q::as_bf16(&call.q) {
+        Some(q) => Magnitude::of(q).max_abs(),
+        None => match call.q.as_slice_memory_order().map(|q| kernel.max_abs(q)) {
+            Some(max) if max.is_finite() => max,
+            _ => call.q.fold(0.0f32, |max, x| {
+                let x = Load::to_f32(*x).abs();
+                if x.is_finite() { max.max(x) } else { max }
+            }),
+        },
     };
     let max_abs_k = magnitudes
         .iter()
@@ -188,7 +193,7 @@ fn prefill<K: Kernel, Q: Query, O: Output>(
     kernel: K,
     kernels: PairKernels,
     call: &Call<'_, f32, bf16, Q>,
-    magnitudes: &[KeyMagnitude],
+    magnitudes: &[Magnitude],
     out: ArrayViewMut4<'_, O>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
@@ -231,7 +236,7 @@ impl PairedKeys {
         call: &Call<'_, f32, bf16, Q>,
         b: usize,
         kv_h: usize,
-        magnitude: KeyMagnitude,
+        magnitude: Magnitude,
     ) -> Result<Self, AttentionError> {
         let shape = call.shape;
         let tiles = shape.len_kv.div_ceil(KEY_TILE);

@@ -551,16 +551,27 @@ impl QueryTile {
         let d_k = call.shape.d_k;
         let q_head = crate::call::head(&call.q, at.b, at.h);
         if S::PAIRED_QUERIES {
-            let tile_rows = q_head.rows().into_iter().skip(at.i0).take(at.rows);
+            let end = (at.i0 + at.rows).min(q_head.nrows());
+            let tile = q_head.slice_move(s![at.i0..end, ..]);
             let d_pairs = d_k.div_ceil(2);
             // Padding rows are zero: their scores are computed and dropped.
             self.q_pairs[at.rows.min(rows) * d_pairs..rows * d_pairs].fill(0);
-            let mut max_abs = 0.0f32;
-            for (query, pairs) in tile_rows.zip(self.q_pairs.chunks_exact_mut(d_pairs)) {
+            // The tile's bound in one pass where its rows are one block: a
+            // pass a row paid a reduction across lanes for every few vectors.
+            let whole = tile.as_slice().map(|tile| Q::magnitude_bound(kernel, tile));
+            let mut max_abs = whole.unwrap_or(0.0);
+            for (query, pairs) in tile
+                .rows()
+                .into_iter()
+                .zip(self.q_pairs.chunks_exact_mut(d_pairs))
+            {
                 let row_max = match query.as_slice() {
                     Some(row) => {
                         Q::bf16_pairs(row, pairs);
-                        kernel.max_abs(row)
+                        match whole {
+                            Some(_) => 0.0,
+                            None => Q::magnitude_bound(kernel, row),
+                        }
                     }
                     None => {
                         let widened = &mut self.q[..d_k];

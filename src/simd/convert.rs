@@ -5,6 +5,11 @@
 //! these; `half`'s own slice conversions run element by element for `bf16`
 //! (128-bit at best, with its NaN checks), which measured 12–15% of a
 //! short (N = 256) `bf16` forward.
+//!
+//! Also the largest magnitude among `bf16` numbers, read from their bits
+//! ([`max_bf16_magnitude_bits`]): the `bf16` prefill's bound on its
+//! queries and keys, 32 numbers an instruction where widening them to
+//! `f32` took 16 in three.
 
 use half::bf16;
 
@@ -40,6 +45,24 @@ pub(crate) fn narrow_bf16(x: &[f32], y: &mut [bf16]) {
         .for_each(|(y, &x)| *y = bf16::from_f32(x));
 }
 
+/// The largest of the magnitude bits (all but the sign) of the numbers in
+/// `x`, 0 for none. A `bf16`'s magnitude bits order its magnitude: below
+/// `0x7f80` (`inf`) they are those of a finite `|x|`, the largest finite
+/// one `0x7f7f`; above it, NaN.
+pub(crate) fn max_bf16_magnitude_bits(x: &[bf16]) -> u16 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F and BW.
+        return unsafe { avx512::max_magnitude_bits(x) };
+    }
+    x.iter()
+        .map(|x| x.to_bits() & MAGNITUDE_BITS)
+        .fold(0, u16::max)
+}
+
+/// The magnitude bits of a `bf16`: all but the sign.
+const MAGNITUDE_BITS: u16 = 0x7fff;
+
 #[cfg(target_arch = "x86_64")]
 fn has_avx512() -> bool {
     is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
@@ -52,6 +75,47 @@ mod avx512 {
     use half::bf16;
 
     const LANES: usize = 16;
+
+    /// [`super::max_bf16_magnitude_bits`], 32 numbers a vector: the
+    /// sign cleared, an unsigned 16-bit maximum. Four running maxima, so
+    /// that four loads go at once rather than one per maximum's latency.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and BW.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn max_magnitude_bits(x: &[bf16]) -> u16 {
+        const HALVES: usize = 32;
+        const BLOCK: usize = 4 * HALVES;
+        let magnitude = _mm512_set1_epi16(super::MAGNITUDE_BITS as i16);
+        let at = |i: usize| {
+            // SAFETY: the callers below read 32 numbers from `i` only where
+            // they are inside `x`; AVX-512BW is the caller's.
+            unsafe { _mm512_and_si512(_mm512_loadu_si512(x.as_ptr().add(i).cast()), magnitude) }
+        };
+        let mut max = [_mm512_setzero_si512(); 4];
+        let blocks = x.len() / BLOCK * BLOCK;
+        for i in (0..blocks).step_by(BLOCK) {
+            for (m, max) in max.iter_mut().enumerate() {
+                *max = _mm512_max_epu16(*max, at(i + m * HALVES));
+            }
+        }
+        let whole = x.len() / HALVES * HALVES;
+        for i in (blocks..whole).step_by(HALVES) {
+            max[0] = _mm512_max_epu16(max[0], at(i));
+        }
+        let max = _mm512_max_epu16(
+            _mm512_max_epu16(max[0], max[1]),
+            _mm512_max_epu16(max[2], max[3]),
+        );
+        let mut lanes = [0u16; HALVES];
+        // SAFETY: `lanes` holds one vector.
+        unsafe { _mm512_storeu_si512(lanes.as_mut_ptr().cast(), max) };
+        x[whole..]
+            .iter()
+            .map(|x| x.to_bits() & super::MAGNITUDE_BITS)
+            .chain(lanes)
+            .fold(0, u16::max)
+    }
 
     /// [`super::widen_bf16`], 16 at a time: zero-extend, set the quiet bit
     /// of NaNs, shift into the top half.
@@ -121,6 +185,32 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_largest_magnitude_bits_are_found_wherever_they_are() {
+        let every: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        // The vector blocks, the single vectors and the tail, each holding
+        // the largest: every bf16 once, then small runs around one large
+        // number placed at every position.
+        for start in [0, 3] {
+            let x = &every[start..];
+            assert_eq!(max_bf16_magnitude_bits(x), 0x7fff, "{start}");
+        }
+        for len in [0, 1, 31, 32, 33, 127, 128, 129, 200] {
+            for at in 0..len {
+                let mut x = vec![bf16::from_f32(-0.5); len];
+                x[at] = bf16::from_f32(-3.0e38);
+                let want = bf16::from_f32(3.0e38).to_bits();
+                assert_eq!(max_bf16_magnitude_bits(&x), want, "{len} {at}");
+                // The smallest subnormal, below every −0.5 around it.
+                x[at] = bf16::from_bits(0x8001);
+                let want = if len == 1 { 0x0001 } else { 0x3f00 };
+                assert_eq!(max_bf16_magnitude_bits(&x), want, "{len} {at}");
+            }
+            let zeros = vec![bf16::NEG_ZERO; len];
+            assert_eq!(max_bf16_magnitude_bits(&zeros), 0, "{len}");
+        }
+    }
 
     #[test]
     fn widening_matches_half_for_every_bf16() {

@@ -15,7 +15,7 @@
 //! | `layout.rs` | rows and strided weights read in place; prefetching |
 //! | `panels.rs` | key rows packed into the `Q·Kᵀ` kernel's panels (transposed in registers, or gathered), with their magnitude bound |
 //! | `rows.rs` | the drivers' element-wise passes: scaled copies, magnitude bounds, finiteness, dot products |
-//! | `convert.rs` | `bf16` ↔ `f32` over slices, 16 at a time on AVX-512, bit for bit `half`'s |
+//! | `convert.rs` | `bf16` ↔ `f32` over slices, 16 at a time on AVX-512, bit for bit `half`'s; the largest `bf16` magnitude, from the bits |
 //! | `probe.rs` | [`fma_peak`], [`bf16_dot_peak`], [`amx_bf16_peak`] and [`read_rate`]: this core's limits, for benchmarks |
 //! | `bf16.rs` | `Bf16Dot`: Q·Kᵀ and P·V on `bf16` pairs with AVX-512 BF16 (`vdpbf16ps`), for `bf16` calls |
 //! | `pair_pack.rs` | keys and values packed into the `bf16` pairs both native kernels read |
@@ -93,7 +93,7 @@ use bf16::Bf16Dot;
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
 pub(crate) use bf16::PAIR_KEYS;
 #[cfg(feature = "half")]
-pub(crate) use convert::{narrow_bf16, widen_bf16};
+pub(crate) use convert::{max_bf16_magnitude_bits, narrow_bf16, widen_bf16};
 pub(crate) use kernel::Kernel;
 #[cfg(all(not(target_arch = "x86_64"), feature = "half"))]
 pub(crate) use no_bf16::{PAIR_KEYS, PairKernels, pair_kernels};

@@ -354,6 +354,77 @@ fn products_that_overflow_only_unscaled_give_the_f32_paths_answer_on(engine: Eng
 }
 
 #[test]
+fn queries_whose_products_overflow_only_unscaled_give_the_f32_paths_answer() {
+    engines()
+        .into_iter()
+        .for_each(queries_whose_products_overflow_only_unscaled_give_the_f32_paths_answer_on);
+}
+
+fn queries_whose_products_overflow_only_unscaled_give_the_f32_paths_answer_on(engine: Engine) {
+    // The queries' side of the bound above, read from their bits: one
+    // query head near 2¹²⁰ sends the call to the f32 path; NaN and
+    // infinite queries are left out of the bound, so they alone do not.
+    // Each with the queries in one block and read through a strided view
+    // (every other number of rows twice as wide).
+    let shape = [2, 2, 2, 40, 150, 64, 32];
+    let c = Case::new(shape, 12);
+    let opts = AttentionOptions::new();
+    let call = |q: ndarray::ArrayView4<'_, bf16>, amx: bool, native: bool| {
+        with_bf16_dot(native, || {
+            with_amx(amx, || {
+                with_kernel_set(engine.set, || {
+                    scaled_dot_product_attention(q, c.k.view(), c.v.view(), &opts)
+                })
+            })
+        })
+        .expect("the set runs")
+        .expect("the call runs")
+    };
+    let strided = |q: &Array4<bf16>| {
+        let [b, h, l, d] = [q.dim().0, q.dim().1, q.dim().2, q.dim().3];
+        let mut wide = Array4::from_elem((b, h, l, 2 * d), bf16::ONE);
+        wide.slice_mut(s![.., .., .., ..;2]).assign(q);
+        wide
+    };
+    let mut large = c.q.clone();
+    large
+        .slice_mut(s![1, 0, .., ..])
+        .mapv_inplace(|x| bf16::from_f32(x.to_f32() * 2f32.powi(120)));
+    let converted = call(large.view(), false, false);
+    assert!(converted.iter().all(|x| x.is_finite()));
+    let wide = strided(&large);
+    for q in [large.view(), wide.slice(s![.., .., .., ..;2])] {
+        let got = call(q, engine.amx, true);
+        assert!(
+            got.iter()
+                .zip(&converted)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "large queries take the f32 path"
+        );
+    }
+
+    let clean = call(c.q.view(), engine.amx, true);
+    let mut dirty = c.q.clone();
+    for (i, x) in [bf16::NAN, bf16::INFINITY, bf16::NEG_INFINITY]
+        .into_iter()
+        .enumerate()
+    {
+        dirty[[0, 1, 3 + i, 5]] = x;
+    }
+    let wide = strided(&dirty);
+    for q in [dirty.view(), wide.slice(s![.., .., .., ..;2])] {
+        let got = call(q, engine.amx, true);
+        for ((index, a), b) in got.indexed_iter().zip(&clean) {
+            if index.0 == 0 && index.1 == 1 && (3..6).contains(&index.2) {
+                assert!(!a.is_finite(), "a non-finite query's row at {index:?}");
+            } else {
+                assert_eq!(a.to_bits(), b.to_bits(), "other rows stay at {index:?}");
+            }
+        }
+    }
+}
+
+#[test]
 fn nan_in_masked_keys_and_values_never_reaches_the_output() {
     engines()
         .into_iter()
