@@ -150,13 +150,7 @@ impl Query for half::bf16 {
     }
 
     fn magnitude_bound<K: simd::Kernel>(_: K, x: &[half::bf16]) -> f32 {
-        // Magnitude bits order magnitudes; from `inf`'s up, not finite.
-        let bits = simd::max_bf16_magnitude_bits(x);
-        if bits >= half::bf16::INFINITY.to_bits() {
-            f32::INFINITY
-        } else {
-            half::bf16::from_bits(bits).to_f32()
-        }
+        simd::bf16_magnitude_bound(x)
     }
 }
 #[cfg(feature = "half")]

@@ -29,7 +29,8 @@ use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
 use crate::simd::{
-    Kernel, Load, PAIR_KEYS, PairKernels, WeightPrecision, WithKernel, max_bf16_magnitude_bits,
+    BF16_INFINITY_BITS, BF16_MAGNITUDE_BITS, Kernel, Load, PAIR_KEYS, PairKernels, WeightPrecision,
+    WithKernel, max_bf16_magnitude_bits,
 };
 
 const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
@@ -95,18 +96,21 @@ impl Magnitude {
     /// where `x` is one block of memory), and a second only when the first
     /// met NaN or an infinity.
     fn of<D: Dimension>(x: ArrayView<'_, bf16, D>) -> Self {
-        let magnitude = |x: &bf16| x.to_bits() & MAGNITUDE;
+        let magnitude = |x: &bf16| x.to_bits() & BF16_MAGNITUDE_BITS;
         let max_bits = match x.as_slice_memory_order() {
             Some(x) => max_bf16_magnitude_bits(x),
             None => x.iter().map(magnitude).fold(0, u16::max),
         };
-        if max_bits < INFINITY_BITS {
+        if max_bits < BF16_INFINITY_BITS {
             return Self {
                 max_bits,
                 has_nonfinite: false,
             };
         }
-        let finite = x.iter().map(magnitude).filter(|&bits| bits < INFINITY_BITS);
+        let finite = x
+            .iter()
+            .map(magnitude)
+            .filter(|&bits| bits < BF16_INFINITY_BITS);
         Self {
             max_bits: finite.fold(0, u16::max),
             has_nonfinite: true,
@@ -128,11 +132,6 @@ impl Magnitude {
         }
     }
 }
-
-/// The magnitude bits of a `bf16` (all but the sign).
-const MAGNITUDE: u16 = 0x7fff;
-/// The magnitude bits of `±inf`: larger ones are NaN, smaller ones finite.
-const INFINITY_BITS: u16 = 0x7f80;
 
 /// Each `(batch, kv_head)`'s key [`Magnitude`], in job order.
 ///

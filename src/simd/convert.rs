@@ -56,12 +56,26 @@ pub(crate) fn max_bf16_magnitude_bits(x: &[bf16]) -> u16 {
         return unsafe { avx512::max_magnitude_bits(x) };
     }
     x.iter()
-        .map(|x| x.to_bits() & MAGNITUDE_BITS)
+        .map(|x| x.to_bits() & BF16_MAGNITUDE_BITS)
         .fold(0, u16::max)
 }
 
+/// A bound on the magnitudes of `x`: the largest `|x|` (0 for none), or
+/// `+inf` when one is NaN or infinite, as `Kernel::max_abs` gives for
+/// the same numbers widened.
+pub(crate) fn bf16_magnitude_bound(x: &[bf16]) -> f32 {
+    let bits = max_bf16_magnitude_bits(x);
+    if bits >= BF16_INFINITY_BITS {
+        f32::INFINITY
+    } else {
+        bf16::from_bits(bits).to_f32()
+    }
+}
+
 /// The magnitude bits of a `bf16`: all but the sign.
-const MAGNITUDE_BITS: u16 = 0x7fff;
+pub(crate) const BF16_MAGNITUDE_BITS: u16 = 0x7fff;
+/// The magnitude bits of `±inf`: larger ones are NaN, smaller ones finite.
+pub(crate) const BF16_INFINITY_BITS: u16 = 0x7f80;
 
 #[cfg(target_arch = "x86_64")]
 fn has_avx512() -> bool {
@@ -86,7 +100,7 @@ mod avx512 {
     pub(super) unsafe fn max_magnitude_bits(x: &[bf16]) -> u16 {
         const HALVES: usize = 32;
         const BLOCK: usize = 4 * HALVES;
-        let magnitude = _mm512_set1_epi16(super::MAGNITUDE_BITS as i16);
+        let magnitude = _mm512_set1_epi16(super::BF16_MAGNITUDE_BITS as i16);
         let at = |i: usize| {
             // SAFETY: the callers below read 32 numbers from `i` only where
             // they are inside `x`; AVX-512BW is the caller's.
@@ -112,7 +126,7 @@ mod avx512 {
         unsafe { _mm512_storeu_si512(lanes.as_mut_ptr().cast(), max) };
         x[whole..]
             .iter()
-            .map(|x| x.to_bits() & super::MAGNITUDE_BITS)
+            .map(|x| x.to_bits() & super::BF16_MAGNITUDE_BITS)
             .chain(lanes)
             .fold(0, u16::max)
     }
@@ -209,6 +223,14 @@ mod tests {
             }
             let zeros = vec![bf16::NEG_ZERO; len];
             assert_eq!(max_bf16_magnitude_bits(&zeros), 0, "{len}");
+        }
+        // The bound: the largest |x| while every number is finite.
+        let mut x: Vec<bf16> = (0..100).map(|i| bf16::from_f32(i as f32 - 60.0)).collect();
+        assert_eq!(bf16_magnitude_bound(&x), 60.0);
+        assert_eq!(bf16_magnitude_bound(&[]), 0.0);
+        for nonfinite in [bf16::NAN, bf16::INFINITY, bf16::NEG_INFINITY] {
+            x[77] = nonfinite;
+            assert_eq!(bf16_magnitude_bound(&x), f32::INFINITY);
         }
     }
 

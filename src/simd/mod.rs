@@ -93,7 +93,10 @@ use bf16::Bf16Dot;
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
 pub(crate) use bf16::PAIR_KEYS;
 #[cfg(feature = "half")]
-pub(crate) use convert::{max_bf16_magnitude_bits, narrow_bf16, widen_bf16};
+pub(crate) use convert::{
+    BF16_INFINITY_BITS, BF16_MAGNITUDE_BITS, bf16_magnitude_bound, max_bf16_magnitude_bits,
+    narrow_bf16, widen_bf16,
+};
 pub(crate) use kernel::Kernel;
 #[cfg(all(not(target_arch = "x86_64"), feature = "half"))]
 pub(crate) use no_bf16::{PAIR_KEYS, PairKernels, pair_kernels};
