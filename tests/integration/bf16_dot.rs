@@ -22,7 +22,7 @@
 //! their products exact in f32.
 
 use half::bf16;
-use ndarray::{Array4, s};
+use ndarray::{Array4, ArrayView4, s};
 use sdpa::simd::{
     KernelSet, amx_runs_on, bf16_dot_runs_on, with_amx, with_bf16_dot, with_kernel_set,
 };
@@ -67,15 +67,36 @@ fn run(
     v: &Array4<bf16>,
     opts: &AttentionOptions<'_, f32>,
 ) -> Array4<bf16> {
-    with_bf16_dot(true, || {
+    run_views(engine, true, q.view(), k.view(), v.view(), opts)
+}
+
+/// [`run`] on views, on the native path or (`native` false) told to
+/// convert to `f32`.
+fn run_views(
+    engine: Engine,
+    native: bool,
+    q: ArrayView4<'_, bf16>,
+    k: ArrayView4<'_, bf16>,
+    v: ArrayView4<'_, bf16>,
+    opts: &AttentionOptions<'_, f32>,
+) -> Array4<bf16> {
+    with_bf16_dot(native, || {
         with_amx(engine.amx, || {
-            with_kernel_set(engine.set, || {
-                scaled_dot_product_attention(q.view(), k.view(), v.view(), opts)
-            })
+            with_kernel_set(engine.set, || scaled_dot_product_attention(q, k, v, opts))
         })
     })
     .expect("the set runs here")
     .expect("the call runs")
+}
+
+/// `x` in every other column of an array twice as wide, the columns
+/// between NaN: slicing it `s![.., .., .., ..;2]` gives `x` as a strided
+/// view.
+fn every_other_column(x: &Array4<bf16>) -> Array4<bf16> {
+    let (b, h, l, d) = x.dim();
+    let mut wide = Array4::from_elem((b, h, l, 2 * d), bf16::NAN);
+    wide.slice_mut(s![.., .., .., ..;2]).assign(x);
+    wide
 }
 
 /// The largest error against `want` as a fraction of the bound, asserting
@@ -285,13 +306,7 @@ fn the_native_path_is_taken_and_differs_from_converting_only_by_the_weights_on(e
     // the softmax's `exp`, which a half output lets be looser (6e-6): an
     // output one bf16 step away where the f32 result lies that close to
     // a rounding boundary.
-    let told_to_convert = with_bf16_dot(false, || {
-        with_kernel_set(engine.set, || {
-            scaled_dot_product_attention(c.q.view(), c.k.view(), c.v.view(), &opts)
-        })
-    })
-    .expect("the set runs")
-    .expect("the call runs");
+    let told_to_convert = run_views(engine, false, c.q.view(), c.k.view(), c.v.view(), &opts);
     let max_v = c.max_abs_v();
     for (a, b) in told_to_convert.iter().zip(&f32_path) {
         let bound = b.abs() as f64 / 256.0 + 2e-5 * max_v;
@@ -328,13 +343,7 @@ fn products_that_overflow_only_unscaled_give_the_f32_paths_answer_on(engine: Eng
         .mapv_inplace(|x| bf16::from_f32(x.to_f32() * 2f32.powi(120)));
     let opts = AttentionOptions::new();
     let got = run(engine, &c.q, &k, &c.v, &opts);
-    let converted = with_bf16_dot(false, || {
-        with_kernel_set(engine.set, || {
-            scaled_dot_product_attention(c.q.view(), k.view(), c.v.view(), &opts)
-        })
-    })
-    .expect("the set runs")
-    .expect("the call runs");
+    let converted = run_views(engine, false, c.q.view(), k.view(), c.v.view(), &opts);
     assert!(got.iter().all(|x| x.is_finite()));
     assert!(
         got.iter()
@@ -364,37 +373,20 @@ fn queries_whose_products_overflow_only_unscaled_give_the_f32_paths_answer_on(en
     // The queries' side of the bound above, read from their bits: one
     // query head near 2¹²⁰ sends the call to the f32 path; NaN and
     // infinite queries are left out of the bound, so they alone do not.
-    // Each with the queries in one block and read through a strided view
-    // (every other number of rows twice as wide).
+    // Each with the queries in one block and read through a strided view.
     let shape = [2, 2, 2, 40, 150, 64, 32];
     let c = Case::new(shape, 12);
     let opts = AttentionOptions::new();
-    let call = |q: ndarray::ArrayView4<'_, bf16>, amx: bool, native: bool| {
-        with_bf16_dot(native, || {
-            with_amx(amx, || {
-                with_kernel_set(engine.set, || {
-                    scaled_dot_product_attention(q, c.k.view(), c.v.view(), &opts)
-                })
-            })
-        })
-        .expect("the set runs")
-        .expect("the call runs")
-    };
-    let strided = |q: &Array4<bf16>| {
-        let [b, h, l, d] = [q.dim().0, q.dim().1, q.dim().2, q.dim().3];
-        let mut wide = Array4::from_elem((b, h, l, 2 * d), bf16::ONE);
-        wide.slice_mut(s![.., .., .., ..;2]).assign(q);
-        wide
-    };
+    let call = |q, native| run_views(engine, native, q, c.k.view(), c.v.view(), &opts);
     let mut large = c.q.clone();
     large
         .slice_mut(s![1, 0, .., ..])
         .mapv_inplace(|x| bf16::from_f32(x.to_f32() * 2f32.powi(120)));
-    let converted = call(large.view(), false, false);
+    let converted = call(large.view(), false);
     assert!(converted.iter().all(|x| x.is_finite()));
-    let wide = strided(&large);
+    let wide = every_other_column(&large);
     for q in [large.view(), wide.slice(s![.., .., .., ..;2])] {
-        let got = call(q, engine.amx, true);
+        let got = call(q, true);
         assert!(
             got.iter()
                 .zip(&converted)
@@ -403,7 +395,7 @@ fn queries_whose_products_overflow_only_unscaled_give_the_f32_paths_answer_on(en
         );
     }
 
-    let clean = call(c.q.view(), engine.amx, true);
+    let clean = call(c.q.view(), true);
     let mut dirty = c.q.clone();
     for (i, x) in [bf16::NAN, bf16::INFINITY, bf16::NEG_INFINITY]
         .into_iter()
@@ -411,9 +403,9 @@ fn queries_whose_products_overflow_only_unscaled_give_the_f32_paths_answer_on(en
     {
         dirty[[0, 1, 3 + i, 5]] = x;
     }
-    let wide = strided(&dirty);
+    let wide = every_other_column(&dirty);
     for q in [dirty.view(), wide.slice(s![.., .., .., ..;2])] {
-        let got = call(q, engine.amx, true);
+        let got = call(q, true);
         for ((index, a), b) in got.indexed_iter().zip(&clean) {
             if index.0 == 0 && index.1 == 1 && (3..6).contains(&index.2) {
                 assert!(!a.is_finite(), "a non-finite query's row at {index:?}");
@@ -652,21 +644,12 @@ fn strided_queries_give_the_bits_of_contiguous_ones_on(engine: Engine) {
     for d_k in [64, 33] {
         let shape = [1, 2, 2, 70, 90, d_k, 16];
         let c = Case::new(shape, 77);
-        let mut wide = Array4::from_elem((1, 2, 70, 2 * d_k), bf16::from_f32(f32::NAN));
-        wide.slice_mut(s![.., .., .., ..;2]).assign(&c.q);
+        let wide = every_other_column(&c.q);
         let strided = wide.slice(s![.., .., .., ..;2]);
         assert!(strided.as_slice().is_none());
         let opts = AttentionOptions::new().causal();
         let contiguous = run(engine, &c.q, &c.k, &c.v, &opts);
-        let from_strided = with_bf16_dot(true, || {
-            with_amx(engine.amx, || {
-                with_kernel_set(engine.set, || {
-                    scaled_dot_product_attention(strided, c.k.view(), c.v.view(), &opts)
-                })
-            })
-        })
-        .expect("the set runs")
-        .expect("the call runs");
+        let from_strided = run_views(engine, true, strided, c.k.view(), c.v.view(), &opts);
         assert_eq!(from_strided, contiguous, "d_k {d_k}");
     }
 }
