@@ -398,16 +398,7 @@ impl TileBuffers {
             d_s,
             KEY_TILE,
         );
-        for r in 0..n {
-            let delta = rows.delta[i0 + r];
-            let (p_row, d_s_row) = (
-                &p[r * KEY_TILE..][..KEY_TILE],
-                &mut d_s[r * KEY_TILE..][..KEY_TILE],
-            );
-            for (ds, &pr) in d_s_row.iter_mut().zip(p_row) {
-                *ds = if pr == 0.0 { 0.0 } else { pr * (*ds - delta) };
-            }
-        }
+        kernel.softmax_gradient(p, d_s, KEY_TILE, &rows.delta[i0..i0 + n]);
         if let Some(d_scores) = d_scores {
             let keys = KEY_TILE.min(shape.len_kv - j0);
             for r in 0..at.rows {

@@ -21,7 +21,7 @@ use super::layout::PrefetchLines;
 use super::panels::PackPanels;
 use super::rows::{Dot, MaxAbs, ScaledCopy};
 use super::scores::{RowScores, Scores};
-use super::softmax::{ExpRowsShifted, SoftmaxRows};
+use super::softmax::{ExpRowsShifted, SoftmaxGradient, SoftmaxRows};
 use super::tanh::SoftcapScores;
 use super::values::{AccumulateValues, ValueRows, ZeroWeights};
 use super::vector::{Load, Vector};
@@ -149,6 +149,21 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
             keys,
             s_stride,
             shift,
+        })
+    }
+
+    /// `d_s[r][j] ← p[r][j]·(d_s[r][j] − delta[r])` ([`SoftmaxGradient`])
+    /// over the `delta.len()` rows of `keys` columns of `p` and `d_s`;
+    /// exactly 0 where `p` is 0.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    fn softmax_gradient(self, p: &[f32], d_s: &mut [f32], keys: usize, delta: &[f32]) {
+        self.run(SoftmaxGradient {
+            p,
+            d_s,
+            keys,
+            delta,
         })
     }
 

@@ -3,7 +3,8 @@
 //! - [`SoftmaxRows`]: the forward's online-softmax pass (running max, `exp`,
 //!   running sum, and the factor `α` that rescales what was accumulated);
 //! - [`ExpRowsShifted`]: the backward's weights, recomputed from the
-//!   forward's log-sum-exp.
+//!   forward's log-sum-exp;
+//! - [`SoftmaxGradient`]: the backward's `dS = P ∘ (dP − D)`.
 //!
 //! Masked scores are `−inf` on entry and leave as exactly 0; a row that has
 //! seen no key yet becomes 0, never NaN.
@@ -265,6 +266,64 @@ impl KernelOp for ExpRowsShifted<'_> {
                         exp(V::load(row.add(j)).sub(V::splat(shift)))
                     };
                     p.store(row.add(j));
+                }
+            }
+        }
+    }
+}
+
+/// `d_s[r][j] ← p[r][j]·(d_s[r][j] − delta[r])` over the `delta.len()`
+/// rows of `keys` columns (a multiple of `LANES`) of `p` and `d_s`: the
+/// softmax's gradient `dS = P ∘ (dP − D)` from `dP` (in `d_s` on entry) and
+/// `D = rowsum(dO ∘ O)`. Where `p` is 0 (a masked or vanished weight) the
+/// result is exactly 0, whatever `dP` is: a NaN or `±inf` there (a masked
+/// key's non-finite value row) must not reach `dQ` and `dK`.
+pub(crate) struct SoftmaxGradient<'a> {
+    pub p: &'a [f32],
+    pub d_s: &'a mut [f32],
+    pub keys: usize,
+    pub delta: &'a [f32],
+}
+
+impl KernelOp for SoftmaxGradient<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    unsafe fn run<
+        V: Vector,
+        const ROWS: usize,
+        const KEY_VECTORS: usize,
+        const VALUE_VECTORS: usize,
+    >(
+        self,
+    ) {
+        let SoftmaxGradient {
+            p,
+            d_s,
+            keys,
+            delta,
+        } = self;
+        let len = delta.len() * keys;
+        assert!(keys.is_multiple_of(V::LANES) && p.len() >= len && d_s.len() >= len);
+        // Weights are 0 or at least about 2^-127 (`exp` returns 0 below the
+        // normal range, and its smallest results are barely subnormal), so
+        // "below the smallest normal" finds the zeros; comparing with 0
+        // itself would miss them where the caller's thread treats the
+        // subnormal threshold as 0 (DAZ), and 0·NaN is NaN.
+        let threshold = f32::MIN_POSITIVE;
+        let (p, d_s) = (p.as_ptr(), d_s.as_mut_ptr());
+        for (r, &delta) in delta.iter().enumerate() {
+            // SAFETY: the caller guarantees V's instruction set; row `r`'s
+            // `keys` entries are inside `p` and `d_s`, as checked above.
+            unsafe {
+                let delta = V::splat(delta);
+                let (p, d_s) = (p.add(r * keys), d_s.add(r * keys));
+                for j in (0..keys).step_by(V::LANES) {
+                    let weight = V::load(p.add(j));
+                    let gradient = weight.mul(V::load(d_s.add(j)).sub(delta));
+                    weight
+                        .zero_where_less(V::splat(threshold), gradient)
+                        .store(d_s.add(j));
                 }
             }
         }

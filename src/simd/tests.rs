@@ -733,6 +733,48 @@ fn row_reductions_give_each_rows_sum_and_max_in_its_lane() {
 }
 
 #[test]
+fn softmax_gradient_is_the_plain_formula_and_exactly_zero_where_p_is() {
+    #[derive(Clone)]
+    struct Gradient;
+    impl WithKernel for Gradient {
+        type Output = ();
+        fn run<K: Kernel>(self, kernel: K) {
+            let (rows, keys) = (3, 2 * K::KEY_PANEL);
+            let weights = values(rows * keys, 7);
+            let d_p = values(rows * keys, 8);
+            // Every third weight masked (0), under a non-finite `dP` on
+            // alternate masked ones; the smallest normal weight kept.
+            let p: Vec<f32> = (0..rows * keys)
+                .map(|i| match i % 6 {
+                    0 | 3 => 0.0,
+                    4 => f32::MIN_POSITIVE,
+                    _ => weights[i].abs(),
+                })
+                .collect();
+            let mut d_s: Vec<f32> = (0..rows * keys)
+                .map(|i| match i % 6 {
+                    0 => f32::NAN,
+                    3 => f32::INFINITY,
+                    _ => d_p[i],
+                })
+                .collect();
+            let delta = [0.25, -1.5, 0.0];
+            let expected: Vec<f32> = (0..rows * keys)
+                .map(|i| match p[i] {
+                    0.0 => 0.0,
+                    w => w * (d_s[i] - delta[i / keys]),
+                })
+                .collect();
+            kernel.softmax_gradient(&p, &mut d_s, keys, &delta);
+            for (i, (got, want)) in d_s.iter().zip(&expected).enumerate() {
+                assert_eq!(got.to_bits(), want.to_bits(), "{}: entry {i}", K::SET);
+            }
+        }
+    }
+    for_each_kernel_set(Gradient);
+}
+
+#[test]
 fn a_row_that_sees_nothing_gives_zeros_and_alpha_one() {
     #[derive(Clone)]
     struct AllMasked;
