@@ -154,7 +154,8 @@ pub(crate) unsafe trait Kernel: Copy + Send + Sync + 'static {
 
     /// `d_s[r][j] ← p[r][j]·(d_s[r][j] − delta[r])` ([`SoftmaxGradient`])
     /// over the `delta.len()` rows of `keys` columns of `p` and `d_s`;
-    /// exactly 0 where `p` is 0.
+    /// exactly 0 where `p` is 0 (or below the smallest normal number,
+    /// which `exp`'s weights are only when they round just under it).
     ///
     /// # Panics
     /// When a size does not fit (a bug in the driver, never bad user input).

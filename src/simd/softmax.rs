@@ -277,7 +277,9 @@ impl KernelOp for ExpRowsShifted<'_> {
 /// softmax's gradient `dS = P ∘ (dP − D)` from `dP` (in `d_s` on entry) and
 /// `D = rowsum(dO ∘ O)`. Where `p` is 0 (a masked or vanished weight) the
 /// result is exactly 0, whatever `dP` is: a NaN or `±inf` there (a masked
-/// key's non-finite value row) must not reach `dQ` and `dK`.
+/// key's non-finite value row) must not reach `dQ` and `dK`. So is a
+/// weight below the smallest normal number (see the threshold below),
+/// whose term would be below 10⁻³⁷.
 pub(crate) struct SoftmaxGradient<'a> {
     pub p: &'a [f32],
     pub d_s: &'a mut [f32],
