@@ -2,7 +2,7 @@
 //! in the same format as the peers' scripts, one column per kernel set.
 //!
 //! ```text
-//! cargo run --release --example throughput -- [--backward] [N ...]
+//! cargo run --release --example throughput -- [--backward [--fresh]] [N ...]
 //! H=8 D=64 B=1 cargo run --release --example throughput -- 256 1024 4096
 //! DTYPE=f32,bf16,f16 RAYON_NUM_THREADS=1 cargo run --release --example throughput
 //! ```
@@ -24,7 +24,14 @@
 //!
 //! FLOPs counted: `4·B·H·N²·d`, half of that for causal. With `--backward`,
 //! forward (with its log-sum-exp) plus backward, counted as 3.5 times the
-//! forward's FLOPs, as `../shared/peers/py_backward.py` counts torch's. Each
+//! forward's FLOPs, as `../shared/peers/py_backward.py` counts torch's.
+//! As the forward writes into one output array kept across calls, the
+//! forward+backward writes its forward result and gradients into arrays
+//! kept across calls, as a training loop does
+//! (`scaled_dot_product_attention_partial_into`,
+//! `scaled_dot_product_attention_backward_into`); `--fresh` measures the
+//! allocating calls instead, whose new arrays are faulted in page by page
+//! on every call (as torch's are). Each
 //! cell is the median of repeated calls (at least 5, at least 0.3 s). The
 //! thread count is rayon's (`RAYON_NUM_THREADS`).
 //!
@@ -41,7 +48,7 @@ use sdpa::simd::{
     KernelSet, amx_bf16_peak, amx_runs_on, available_kernel_sets, bf16_dot_peak, bf16_dot_runs_on,
     fma_peak,
 };
-use sdpa::{AttentionOptions, Storage};
+use sdpa::{AttentionOptions, AttentionPartial, Storage};
 
 #[path = "support/machine.rs"]
 mod machine;
@@ -121,6 +128,7 @@ fn median_seconds(mut f: impl FnMut()) -> f64 {
 
 fn main() {
     let backward = std::env::args().any(|a| a == "--backward");
+    let fresh = std::env::args().any(|a| a == "--fresh");
     let sizes: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())
@@ -138,10 +146,10 @@ fn main() {
             std::env::var("SETS").map_or(true, |sets| sets.split(',').any(|s| s == set.name()))
         })
         .collect();
-    let what = if backward {
-        "forward+backward"
-    } else {
-        "forward"
+    let what = match (backward, fresh) {
+        (true, false) => "forward+backward (into kept arrays)",
+        (true, true) => "forward+backward (fresh arrays)",
+        (false, _) => "forward",
     };
     let threads = std::env::var("RAYON_NUM_THREADS")
         .ok()
@@ -227,24 +235,45 @@ fn main() {
                 } else if dtype == "f16" {
                     as_f16.forward_seconds(set, &opts)
                 } else if backward {
-                    median_seconds_on(set, || {
-                        let forward = sdpa::scaled_dot_product_attention_partial(
-                            q.view(),
-                            k.view(),
-                            v.view(),
-                            &opts,
-                        )
-                        .expect("valid shapes");
-                        // Any d_out will do: the work does not depend on it.
+                    let (q, k, v) = (q.view(), k.view(), v.view());
+                    let partial = || sdpa::scaled_dot_product_attention_partial(q, k, v, &opts);
+                    let mut forward = partial().expect("valid shapes");
+                    // Any d_out will do: the work does not depend on it.
+                    let d_out = forward.output().to_owned();
+                    let backward = |forward: &AttentionPartial<f32>| {
                         sdpa::scaled_dot_product_attention_backward(
-                            q.view(),
-                            k.view(),
-                            v.view(),
+                            q,
+                            k,
+                            v,
                             &opts,
-                            &forward,
-                            forward.output(),
+                            forward,
+                            d_out.view(),
                         )
-                        .expect("valid shapes");
+                    };
+                    let mut gradients = backward(&forward).expect("valid shapes");
+                    median_seconds_on(set, || {
+                        if fresh {
+                            backward(&partial().expect("valid shapes")).expect("valid shapes");
+                        } else {
+                            sdpa::scaled_dot_product_attention_partial_into(
+                                q,
+                                k,
+                                v,
+                                &opts,
+                                &mut forward,
+                            )
+                            .expect("valid shapes");
+                            sdpa::scaled_dot_product_attention_backward_into(
+                                q,
+                                k,
+                                v,
+                                &opts,
+                                &forward,
+                                d_out.view(),
+                                &mut gradients,
+                            )
+                            .expect("valid shapes");
+                        }
                     })
                 } else {
                     median_seconds_on(set, || {

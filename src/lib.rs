@@ -34,12 +34,14 @@ pub mod varlen;
 use ndarray::{Array4, ArrayView4, ArrayViewMut4};
 
 use element::sealed::Sealed;
+use gradients::GradientsViewMut;
 
 #[cfg(feature = "safetensors")]
 pub use checkpoint::Checkpoint;
 pub use element::{Element, Storage};
 pub use error::{AttentionError, ErrorKind};
 pub use gradients::AttentionGradients;
+
 /// The `half` crate, whose `bf16` and `f16` are [`Storage`] types.
 #[cfg(feature = "half")]
 pub use half;
@@ -178,9 +180,45 @@ pub fn scaled_dot_product_attention_partial<F: Storage>(
 ) -> Result<AttentionPartial<F>, AttentionError> {
     let call = call::check(&q, &k, &v, opts)?;
     let mut partial = AttentionPartial::<F>::zeros(call.shape.output_dim())?;
-    let (output, log_sum_exp) = partial.parts_mut();
-    F::forward_all_stored(&call, output, Some(log_sum_exp))?;
+    scaled_dot_product_attention_partial_into(q, k, v, opts, &mut partial)?;
     Ok(partial)
+}
+
+/// [`scaled_dot_product_attention_partial`] writing into a caller's
+/// `partial` of the call's shape, which it overwrites: a training loop
+/// that keeps one allocates no output or log-sum-exp per step. Fresh
+/// arrays of 128 KiB or more are mapped by the allocator and faulted in
+/// page by page on every call (see [`scaled_dot_product_attention_backward_into`]).
+///
+/// # Errors
+/// As [`scaled_dot_product_attention`], and when `partial`'s output does
+/// not have the call's output shape. On an error `partial` may be partly
+/// written.
+///
+/// ```
+/// use ndarray::Array4;
+/// use sdpa::{scaled_dot_product_attention_partial, scaled_dot_product_attention_partial_into, AttentionOptions};
+///
+/// let x = Array4::<f32>::from_shape_fn((1, 2, 6, 8), |(_, h, i, d)| ((h + i * d) % 5) as f32 * 0.1);
+/// let opts = AttentionOptions::new().causal();
+/// let mut partial = scaled_dot_product_attention_partial(x.view(), x.view(), x.view(), &opts)?;
+/// let first = partial.clone();
+/// // The next step reuses the arrays.
+/// scaled_dot_product_attention_partial_into(x.view(), x.view(), x.view(), &opts, &mut partial)?;
+/// assert_eq!(partial, first);
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+pub fn scaled_dot_product_attention_partial_into<F: Storage>(
+    q: ArrayView4<'_, F>,
+    k: ArrayView4<'_, F>,
+    v: ArrayView4<'_, F>,
+    opts: &AttentionOptions<'_, F::Compute>,
+    partial: &mut AttentionPartial<F>,
+) -> Result<(), AttentionError> {
+    let call = call::check(&q, &k, &v, opts)?;
+    call::check_output(&call.shape, partial.output().shape())?;
+    let (output, log_sum_exp) = partial.parts_mut();
+    F::forward_all_stored(&call, output, Some(log_sum_exp))
 }
 
 /// The gradients of a scalar loss with respect to `q`, `k`, `v` and the
@@ -231,25 +269,88 @@ pub fn scaled_dot_product_attention_backward<F: Storage>(
     forward: &AttentionPartial<F>,
     d_out: ArrayView4<'_, F>,
 ) -> Result<AttentionGradients<F>, AttentionError> {
+    let mut gradients = AttentionGradients::zeros(&call::check(&q, &k, &v, opts)?)?;
+    scaled_dot_product_attention_backward_into(q, k, v, opts, forward, d_out, &mut gradients)?;
+    Ok(gradients)
+}
+
+/// [`scaled_dot_product_attention_backward`] writing into a caller's
+/// `gradients` (from an earlier call of the same shapes), which it
+/// overwrites; `d_sinks` is replaced. A training loop that keeps its
+/// gradients, and its forward result (with
+/// [`scaled_dot_product_attention_partial_into`]), allocates nothing of
+/// the call's size per step: fresh arrays of 128 KiB or more are mapped by
+/// the allocator and faulted in page by page on every call, 5% of a
+/// forward+backward at N = 1024 and 10% at N = 256 (measured on a Xeon,
+/// `docs/PERFORMANCE.md`).
+///
+/// # Errors
+/// As [`scaled_dot_product_attention_backward`], and when a gradient does
+/// not have its input's shape or `d_bias` is not there (in the bias's
+/// shape) exactly when the options have a bias. On an error `gradients`
+/// may be partly written.
+///
+/// ```
+/// use ndarray::Array4;
+/// use sdpa::{
+///     scaled_dot_product_attention_backward, scaled_dot_product_attention_backward_into,
+///     scaled_dot_product_attention_partial, AttentionOptions,
+/// };
+///
+/// let q = Array4::<f32>::from_shape_fn((1, 2, 5, 8), |(_, h, i, d)| ((h + 3 * i + d) % 7) as f32 * 0.2 - 0.5);
+/// let (k, v) = (q.mapv(|x| x * 0.5), q.mapv(|x| 1.0 - x));
+/// let opts = AttentionOptions::new().causal();
+/// let forward = scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), &opts)?;
+/// let d_out = Array4::<f32>::ones(forward.output().raw_dim());
+/// let mut grads = scaled_dot_product_attention_backward(
+///     q.view(), k.view(), v.view(), &opts, &forward, d_out.view())?;
+/// let first = grads.clone();
+/// // The next step reuses the arrays.
+/// scaled_dot_product_attention_backward_into(
+///     q.view(), k.view(), v.view(), &opts, &forward, d_out.view(), &mut grads)?;
+/// assert_eq!(grads, first);
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+pub fn scaled_dot_product_attention_backward_into<F: Storage>(
+    q: ArrayView4<'_, F>,
+    k: ArrayView4<'_, F>,
+    v: ArrayView4<'_, F>,
+    opts: &AttentionOptions<'_, F::Compute>,
+    forward: &AttentionPartial<F>,
+    d_out: ArrayView4<'_, F>,
+    gradients: &mut AttentionGradients<F>,
+) -> Result<(), AttentionError> {
     let (q, k, v) = (F::to_compute(q)?, F::to_compute(k)?, F::to_compute(v)?);
     let (out, d_out) = (F::to_compute(forward.output())?, F::to_compute(d_out)?);
     let (q, k, v) = (q.view(), k.view(), v.view());
     let (out, d_out, log_sum_exp) = (out.view(), d_out.view(), forward.log_sum_exp());
     let call = call::check_backward(call::check(&q, &k, &v, opts)?, &out, &log_sum_exp, &d_out)?;
-    let mut gradients = AttentionGradients::<F::Compute>::zeros(&call.forward)?;
-    F::Compute::backward(&call, gradients.view_mut())?;
+    gradients.check_fit(&call.forward)?;
     let AttentionGradients {
         d_q,
         d_k,
         d_v,
         d_bias,
-        d_sinks: _,
+        d_sinks,
     } = gradients;
-    Ok(AttentionGradients {
-        d_q: F::from_compute(d_q)?,
-        d_k: F::from_compute(d_k)?,
-        d_v: F::from_compute(d_v)?,
-        d_bias,
-        d_sinks: modifiers::sink_gradients(&call)?,
-    })
+    // A half type's gradients are computed in `f32` buffers and rounded
+    // into the caller's arrays; an `Element`'s are written in place.
+    F::write_compute(d_q.view_mut(), |d_q| {
+        F::write_compute(d_k.view_mut(), |d_k| {
+            F::write_compute(d_v.view_mut(), |d_v| {
+                let d_bias = d_bias.as_mut().map(|d_bias| d_bias.view_mut());
+                F::Compute::backward(
+                    &call,
+                    GradientsViewMut {
+                        d_q,
+                        d_k,
+                        d_v,
+                        d_bias,
+                    },
+                )
+            })
+        })
+    })?;
+    *d_sinks = modifiers::sink_gradients(&call)?;
+    Ok(())
 }

@@ -8,8 +8,9 @@ use crate::common;
 use common::{option_case, seeded};
 use sdpa::simd::available_kernel_sets;
 use sdpa::{
-    AttentionOptions, AttentionPartial, scaled_dot_product_attention_backward,
-    scaled_dot_product_attention_partial,
+    AttentionGradients, AttentionOptions, AttentionPartial, scaled_dot_product_attention_backward,
+    scaled_dot_product_attention_backward_into, scaled_dot_product_attention_partial,
+    scaled_dot_product_attention_partial_into,
 };
 
 #[allow(clippy::too_many_arguments)]
@@ -60,15 +61,28 @@ fn check(
         })
         .unwrap()
         .unwrap();
-        let got = scaled_dot_product_attention_backward(
-            q32.view(),
-            k32.view(),
-            v32.view(),
-            &opts,
-            &forward,
-            d_out32.view(),
-        )
+        let (got, reused) = sdpa::simd::with_kernel_set(set, || {
+            let (q, k, v) = (q32.view(), k32.view(), v32.view());
+            let got =
+                scaled_dot_product_attention_backward(q, k, v, &opts, &forward, d_out32.view())
+                    .unwrap();
+            // The same call into a caller's arrays, column-major and full
+            // of NaN: every element is overwritten, in the same bits.
+            let mut reused = poisoned_column_major(&got);
+            scaled_dot_product_attention_backward_into(
+                q,
+                k,
+                v,
+                &opts,
+                &forward,
+                d_out32.view(),
+                &mut reused,
+            )
+            .unwrap();
+            (got, reused)
+        })
         .unwrap();
+        assert_same_bits(&reused, &got, &format!("{set}, case {case}, _into"));
         let close = |name: &str, got: &Array4<f32>, expected: &Array4<f64>| {
             let scale = 1.0 + expected.iter().fold(0.0f64, |m, x| m.max(x.abs()));
             for ((index, &g), &e) in got.indexed_iter().zip(expected.iter()) {
@@ -90,6 +104,37 @@ fn check(
             _ => panic!("d_bias present in one result only"),
         }
     }
+}
+
+/// Gradients shaped like `like`, stored column-major and full of NaN.
+fn poisoned_column_major(like: &AttentionGradients<f32>) -> AttentionGradients<f32> {
+    let nan = |x: &Array4<f32>| Array4::from_elem(ShapeBuilder::f(x.raw_dim()), f32::NAN);
+    AttentionGradients {
+        d_q: nan(&like.d_q),
+        d_k: nan(&like.d_k),
+        d_v: nan(&like.d_v),
+        d_bias: like.d_bias.as_ref().map(nan),
+        d_sinks: like.d_sinks.as_ref().map(|d| d.mapv(|_| f32::NAN)),
+    }
+}
+
+/// Every gradient of `got` has the bits of `expected`'s.
+fn assert_same_bits(got: &AttentionGradients<f32>, expected: &AttentionGradients<f32>, what: &str) {
+    let bits = |x: &Array4<f32>| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got.d_q), bits(&expected.d_q), "{what}: d_q");
+    assert_eq!(bits(&got.d_k), bits(&expected.d_k), "{what}: d_k");
+    assert_eq!(bits(&got.d_v), bits(&expected.d_v), "{what}: d_v");
+    assert_eq!(
+        got.d_bias.as_ref().map(bits),
+        expected.d_bias.as_ref().map(bits),
+        "{what}: d_bias"
+    );
+    let sink_bits = |x: &ndarray::Array1<f32>| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        got.d_sinks.as_ref().map(sink_bits),
+        expected.d_sinks.as_ref().map(sink_bits),
+        "{what}: d_sinks"
+    );
 }
 
 #[test]
@@ -186,12 +231,97 @@ fn a_column_major_forward_output_gives_the_same_gradients() {
             let expected =
                 scaled_dot_product_attention_backward(q, k, v, &opts, &forward, w.view());
             let actual = scaled_dot_product_attention_backward(q, k, v, &opts, &relaid, w.view());
-            let (expected, actual) = (expected.unwrap(), actual.unwrap());
-            let bits = |x: &Array4<f32>| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&actual.d_q), bits(&expected.d_q), "{set:?}: d_q");
-            assert_eq!(bits(&actual.d_k), bits(&expected.d_k), "{set:?}: d_k");
-            assert_eq!(bits(&actual.d_v), bits(&expected.d_v), "{set:?}: d_v");
+            assert_same_bits(&actual.unwrap(), &expected.unwrap(), &format!("{set:?}"));
         })
         .expect("an available kernel set");
     }
+}
+
+/// `_into` with the reference's type (`f64`, through `core`) and every
+/// gradient a caller can pass: with a bias and sinks, into arrays holding
+/// another call's gradients, it gives the allocating call's; and arrays of
+/// the wrong shapes, or a `d_bias` present without a bias (or missing with
+/// one), are a shape error that names the gradient. The same for the
+/// forward's `partial_into`.
+#[test]
+fn into_calls_overwrite_a_callers_arrays_and_refuse_wrong_shapes() {
+    let q = seeded((1, 4, 9, 6), 21, 1.0);
+    let k = seeded((1, 2, 11, 6), 22, 1.0);
+    let v = seeded((1, 2, 11, 5), 23, 1.0);
+    let w = seeded((1, 4, 9, 5), 24, 1.0);
+    let bias = seeded((1, 4, 1, 11), 25, 1.0);
+    let sinks = [0.5, -1.0, 0.25, 2.0];
+    let opts = AttentionOptions::new()
+        .causal()
+        .bias(bias.view())
+        .sinks(&sinks);
+    let (q, k, v) = (q.view(), k.view(), v.view());
+    let forward = scaled_dot_product_attention_partial(q, k, v, &opts).unwrap();
+    let expected = scaled_dot_product_attention_backward(q, k, v, &opts, &forward, w.view());
+    let expected = expected.unwrap();
+    assert!(expected.d_bias.is_some() && expected.d_sinks.is_some());
+
+    // Another call's gradients (no bias, other d_out), reused.
+    let other =
+        scaled_dot_product_attention_backward(q, k, v, &opts, &forward, w.mapv(|x| 3.0 - x).view());
+    let mut reused = other.unwrap();
+    reused.d_sinks = None;
+    scaled_dot_product_attention_backward_into(q, k, v, &opts, &forward, w.view(), &mut reused)
+        .unwrap();
+    assert_eq!(reused, expected);
+
+    // Another call's forward (bidirectional, no bias), reused.
+    let mut partial =
+        scaled_dot_product_attention_partial(q, k, v, &AttentionOptions::new()).unwrap();
+    assert_ne!(partial, forward);
+    scaled_dot_product_attention_partial_into(q, k, v, &opts, &mut partial).unwrap();
+    assert_eq!(partial, forward);
+
+    let shape_error = |result: Result<(), sdpa::AttentionError>, names: &str| {
+        let error = result.expect_err("a shape error");
+        assert_eq!(error.kind(), sdpa::ErrorKind::ShapeMismatch, "{error}");
+        assert!(error.to_string().contains(names), "{error}");
+    };
+    type Spoil = fn(&mut AttentionGradients<f64>);
+    let wrong: [(&str, Spoil); 5] = [
+        ("d_q", |g| g.d_q = Array4::zeros((1, 4, 9, 5))),
+        ("d_k", |g| g.d_k = Array4::zeros((1, 4, 11, 6))),
+        ("d_v", |g| g.d_v = Array4::zeros((1, 2, 10, 5))),
+        ("d_bias", |g| g.d_bias = None),
+        ("d_bias", |g| g.d_bias = Some(Array4::zeros((1, 4, 9, 11)))),
+    ];
+    for (names, spoil) in wrong {
+        let mut gradients = expected.clone();
+        spoil(&mut gradients);
+        let result = scaled_dot_product_attention_backward_into(
+            q,
+            k,
+            v,
+            &opts,
+            &forward,
+            w.view(),
+            &mut gradients,
+        );
+        shape_error(result, names);
+    }
+    // A d_bias where the options have no bias.
+    let no_bias = AttentionOptions::new().causal();
+    let forward = scaled_dot_product_attention_partial(q, k, v, &no_bias).unwrap();
+    let mut gradients = expected.clone();
+    let result = scaled_dot_product_attention_backward_into(
+        q,
+        k,
+        v,
+        &no_bias,
+        &forward,
+        w.view(),
+        &mut gradients,
+    );
+    shape_error(result, "d_bias");
+    let mut partial =
+        scaled_dot_product_attention_partial(q, k, v.slice(s![.., .., .., ..4]), &no_bias).unwrap();
+    shape_error(
+        scaled_dot_product_attention_partial_into(q, k, v, &no_bias, &mut partial),
+        "out",
+    );
 }

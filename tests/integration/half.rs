@@ -20,7 +20,8 @@ use sdpa::simd::{KernelSet, available_kernel_sets, with_kernel_set};
 use sdpa::{
     AttentionOptions, CausalAlignment, ErrorKind, Storage, alibi_slopes,
     scaled_dot_product_attention, scaled_dot_product_attention_backward,
-    scaled_dot_product_attention_into, scaled_dot_product_attention_partial,
+    scaled_dot_product_attention_backward_into, scaled_dot_product_attention_into,
+    scaled_dot_product_attention_partial,
 };
 
 use crate::common::Rng;
@@ -531,6 +532,28 @@ fn backward_matches<H: Half>() {
                 d_out.view(),
             )
             .expect("the half backward runs");
+            // Into a caller's arrays full of NaN, without `d_sinks`: every
+            // gradient is written, the same as the allocating call's.
+            let mut reused = got.clone();
+            let nan = H::from_f64(f64::NAN);
+            for d in [&mut reused.d_q, &mut reused.d_k, &mut reused.d_v] {
+                d.fill(nan);
+            }
+            if let Some(d_bias) = &mut reused.d_bias {
+                d_bias.fill(f32::NAN);
+            }
+            reused.d_sinks = None;
+            scaled_dot_product_attention_backward_into(
+                case.q.view(),
+                case.k.view(),
+                case.v.view(),
+                &opts,
+                &forward,
+                d_out.view(),
+                &mut reused,
+            )
+            .expect("the half backward runs into a caller's arrays");
+            assert_eq!(reused, got, "_into {shape:?} {spec:?}");
             // The reference in f64, given the same (rounded) forward.
             let [q, k, v] = case.wide();
             let wide_forward = sdpa::AttentionPartial::from_parts(
