@@ -27,8 +27,8 @@
 //! must meet on a CPU without native BF16.
 //! Valgrind has no AVX-512: force `SDPA_KERNEL=avx2` (or `scalar`) under it.
 
-use ndarray::Array4;
-use sdpa::{AttentionOptions, Storage};
+use ndarray::{Array3, Array4};
+use sdpa::{AttentionGradients, AttentionOptions, AttentionPartial, Storage};
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -178,19 +178,36 @@ fn run<F: Storage + Into<f64>>(
     calls: usize,
 ) -> f64 {
     let widen = |x: &F| -> f64 { (*x).into() };
+    // The results go into arrays kept across calls, as a training loop
+    // keeps them: fresh ones would add the allocator's page faults.
+    let (b, h, n, _) = q.dim();
+    let output = Array4::zeros((b, h, n, v.dim().3));
+    let mut forward =
+        AttentionPartial::from_parts(output, Array3::zeros((b, h, n))).expect("consistent shapes");
+    // Any d_out of the output's shape will do (here that of `q`): the work
+    // does not depend on it.
+    let d_out = q.to_owned();
+    let mut gradients = AttentionGradients {
+        d_q: Array4::zeros(q.raw_dim()),
+        d_k: Array4::zeros(k.raw_dim()),
+        d_v: Array4::zeros(v.raw_dim()),
+        d_bias: None,
+        d_sinks: None,
+    };
+    let (q, k, v) = (q.view(), k.view(), v.view());
     let mut checksum = 0.0f64;
     for _ in 0..calls {
-        let forward =
-            sdpa::scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), opts)
-                .expect("valid shapes");
+        sdpa::scaled_dot_product_attention_partial_into(q, k, v, opts, &mut forward)
+            .expect("valid shapes");
         if backward {
-            let gradients = sdpa::scaled_dot_product_attention_backward(
-                q.view(),
-                k.view(),
-                v.view(),
+            sdpa::scaled_dot_product_attention_backward_into(
+                q,
+                k,
+                v,
                 opts,
                 &forward,
-                forward.output(),
+                d_out.view(),
+                &mut gradients,
             )
             .expect("valid shapes");
             checksum += gradients.d_q.iter().map(widen).sum::<f64>();
