@@ -240,7 +240,7 @@ fn main() {
                     let mut forward = partial().expect("valid shapes");
                     // Any d_out will do: the work does not depend on it.
                     let d_out = forward.output().to_owned();
-                    let backward = |forward: &AttentionPartial<f32>| {
+                    let gradients_of = |forward: &AttentionPartial<f32>| {
                         sdpa::scaled_dot_product_attention_backward(
                             q,
                             k,
@@ -250,10 +250,10 @@ fn main() {
                             d_out.view(),
                         )
                     };
-                    let mut gradients = backward(&forward).expect("valid shapes");
+                    let mut gradients = gradients_of(&forward).expect("valid shapes");
                     median_seconds_on(set, || {
                         if fresh {
-                            backward(&partial().expect("valid shapes")).expect("valid shapes");
+                            gradients_of(&partial().expect("valid shapes")).expect("valid shapes");
                         } else {
                             sdpa::scaled_dot_product_attention_partial_into(
                                 q,
