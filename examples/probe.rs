@@ -184,8 +184,9 @@ fn run<F: Storage + Into<f64>>(
     let output = Array4::zeros((b, h, n, v.dim().3));
     let mut forward =
         AttentionPartial::from_parts(output, Array3::zeros((b, h, n))).expect("consistent shapes");
-    // Any d_out of the output's shape will do (here that of `q`): the work
-    // does not depend on it.
+    // Any d_out of the output's shape will do: the work does not depend on
+    // it. Here `q`'s, the output's shape since the probe's d_k = d_v; no
+    // bias, so no `d_bias`.
     let d_out = q.to_owned();
     let mut gradients = AttentionGradients {
         d_q: Array4::zeros(q.raw_dim()),

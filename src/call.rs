@@ -301,12 +301,16 @@ pub(crate) fn check_shapes(
     })
 }
 
-/// Checks that `out` has exactly the output's shape.
-pub(crate) fn check_output(shape: &AttentionShape, out: &[usize]) -> Result<(), AttentionError> {
+/// Checks that `out` (named `what` in the error) has exactly the output's shape.
+pub(crate) fn check_output(
+    what: &str,
+    shape: &AttentionShape,
+    out: &[usize],
+) -> Result<(), AttentionError> {
     let (b, h, l, d) = shape.output_dim();
     if out != [b, h, l, d] {
         return Err(shape_error(format!(
-            "out has shape {out:?} but the output is [batch, heads, len_q, d_v] = {:?}",
+            "{what} has shape {out:?} but the output is [batch, heads, len_q, d_v] = {:?}",
             [b, h, l, d]
         )));
     }

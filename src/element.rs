@@ -543,10 +543,14 @@ pub(crate) mod sealed {
     /// and, otherwise, whatever the spare last held; rounds it into `x`
     /// when `f` returns `Ok`.
     ///
-    /// Not filled when not loaded: every `f` given an output here is a
-    /// forward (a half `KvCache`'s attention), and a forward writes every
-    /// element of its output (the `f32` `_into` hands it the caller's
-    /// array as it is, and its property tests fill that with NaN first).
+    /// Not filled when not loaded: every `f` given an output here writes
+    /// every element of it — a forward (a half `KvCache`'s attention) its
+    /// output, a backward (`scaled_dot_product_attention_backward_into`,
+    /// which the allocating backward calls) each gradient (the `f32`
+    /// calls hand them the caller's arrays as they are, and the tests
+    /// fill those with NaN first, as
+    /// `half_forwards_write_every_output_element_into_unfilled_spares`
+    /// fills the spares).
     /// The fill was 2–4% of a `bf16` functional forward at N = 256–1024
     /// when those came through here too.
     #[cfg(feature = "half")]
@@ -859,6 +863,34 @@ mod tests {
                 crate::scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), &opts)
                     .expect("the partial runs");
             assert!(partial.output().iter().all(|x| x.is_finite()), "{shape:?}");
+            // The backward's gradients come through here too, into a
+            // caller's arrays (`_into`, here full of NaN) or new ones.
+            poison();
+            let (q, k, v, d_out) = (q.view(), k.view(), v.view(), partial.output());
+            let mut gradients =
+                crate::scaled_dot_product_attention_backward(q, k, v, &opts, &partial, d_out)
+                    .expect("the backward runs");
+            for d in [&mut gradients.d_q, &mut gradients.d_k, &mut gradients.d_v] {
+                assert!(d.iter().all(|x| x.is_finite()), "{shape:?} causal {causal}");
+                d.fill(H::nan());
+            }
+            poison();
+            crate::scaled_dot_product_attention_backward_into(
+                q,
+                k,
+                v,
+                &opts,
+                &partial,
+                d_out,
+                &mut gradients,
+            )
+            .expect("the backward runs into a caller's arrays");
+            for d in [&gradients.d_q, &gradients.d_k, &gradients.d_v] {
+                assert!(
+                    d.iter().all(|x| x.is_finite()),
+                    "{shape:?} causal {causal} _into"
+                );
+            }
             // A half cache's attention computes into an unfilled `f32`
             // buffer and rounds it into the output (`through_compute`).
             if batch == 2 && !causal {

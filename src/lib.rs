@@ -136,7 +136,7 @@ pub fn scaled_dot_product_attention_into<F: Storage>(
     out: ArrayViewMut4<'_, F>,
 ) -> Result<(), AttentionError> {
     let call = call::check(&q, &k, &v, opts)?;
-    call::check_output(&call.shape, out.shape())?;
+    call::check_output("out", &call.shape, out.shape())?;
     F::forward_all_stored(&call, out, None)
 }
 
@@ -191,8 +191,8 @@ pub fn scaled_dot_product_attention_partial<F: Storage>(
 ///
 /// # Errors
 /// As [`scaled_dot_product_attention`], and when `partial`'s output does
-/// not have the call's output shape. On an error `partial` may be partly
-/// written.
+/// not have the call's output shape. A shape error leaves `partial` as it
+/// was; another error may leave it partly written.
 ///
 /// ```
 /// use ndarray::Array4;
@@ -215,7 +215,7 @@ pub fn scaled_dot_product_attention_partial_into<F: Storage>(
     partial: &mut AttentionPartial<F>,
 ) -> Result<(), AttentionError> {
     let call = call::check(&q, &k, &v, opts)?;
-    call::check_output(&call.shape, partial.output().shape())?;
+    call::check_output("partial's output", &call.shape, partial.output().shape())?;
     let (output, log_sum_exp) = partial.parts_mut();
     F::forward_all_stored(&call, output, Some(log_sum_exp))
 }
@@ -280,15 +280,15 @@ pub fn scaled_dot_product_attention_backward<F: Storage>(
 /// [`scaled_dot_product_attention_partial_into`]), allocates nothing of
 /// the call's size per step: fresh arrays of 128 KiB or more are mapped by
 /// the allocator and faulted in page by page on every call. Keeping them
-/// made a forward+backward 16–22% faster at N = 256 and 5–7% at N = 1024
+/// made a forward+backward 16–22% faster at N = 256 and 5–7.5% at N = 1024
 /// (one thread, 8 heads of 64, on an Emerald Rapids Xeon;
 /// `docs/PERFORMANCE.md`).
 ///
 /// # Errors
 /// As [`scaled_dot_product_attention_backward`], and when a gradient does
 /// not have its input's shape or `d_bias` is not there (in the bias's
-/// shape) exactly when the options have a bias. On an error `gradients`
-/// may be partly written.
+/// shape) exactly when the options have a bias. A shape error leaves
+/// `gradients` as they were; another error may leave them partly written.
 ///
 /// ```
 /// use ndarray::Array4;

@@ -89,7 +89,7 @@ pub fn scaled_dot_product_attention_into<F: Storage>(
     let (q, k, v) = (q.view(), k.view(), v.view());
     F::with_reference_options(opts, |opts| {
         let call = call::check(&q, &k, &v, opts)?;
-        call::check_output(&call.shape, out.shape())?;
+        call::check_output("out", &call.shape, out.shape())?;
         F::write_reference(out, |out| forward::forward(&call, out, None))
     })
 }

@@ -153,7 +153,8 @@ impl WithKernel for Backward<'_, '_, '_> {
 /// The gradients of one `(batch, kv_head)` and the query heads sharing
 /// it, written into the job's views of `d_q`, `d_k` and `d_v`; returns
 /// each query head's `dS` when the call has a bias. On an error some views
-/// may have been written (the callers' arrays are fresh and dropped then).
+/// may have been written (a caller's arrays are then partly written, as
+/// `scaled_dot_product_attention_backward_into` documents).
 fn head_gradients<'c, K: Kernel>(
     kernel: K,
     call: &'c BackwardCall<'_, f32>,

@@ -239,6 +239,6 @@ fn attend_stored<F: Storage>(
     log_sum_exp: Option<ArrayViewMut3<'_, F::Compute>>,
 ) -> Result<(), AttentionError> {
     let call = crate::call::check(&q, &k, &v, opts)?;
-    crate::call::check_output(&call.shape, out.shape())?;
+    crate::call::check_output("out", &call.shape, out.shape())?;
     F::forward_stored(&call, out, log_sum_exp)
 }

@@ -261,7 +261,7 @@ fn into_calls_overwrite_a_callers_arrays_and_refuse_wrong_shapes() {
     let expected = expected.unwrap();
     assert!(expected.d_bias.is_some() && expected.d_sinks.is_some());
 
-    // Another call's gradients (no bias, other d_out), reused.
+    // Another call's gradients (another d_out), reused.
     let other =
         scaled_dot_product_attention_backward(q, k, v, &opts, &forward, w.mapv(|x| 3.0 - x).view());
     let mut reused = other.unwrap();
@@ -322,6 +322,6 @@ fn into_calls_overwrite_a_callers_arrays_and_refuse_wrong_shapes() {
         scaled_dot_product_attention_partial(q, k, v.slice(s![.., .., .., ..4]), &no_bias).unwrap();
     shape_error(
         scaled_dot_product_attention_partial_into(q, k, v, &no_bias, &mut partial),
-        "out",
+        "partial's output",
     );
 }
