@@ -10,8 +10,9 @@ use ndarray::{
 };
 
 use crate::alloc;
-use crate::element::Element;
+use crate::element::{Element, Storage};
 use crate::error::{AttentionError, ErrorKind, shape_error};
+use crate::gradients::AttentionGradients;
 use crate::options::AttentionOptions;
 
 /// The dimensions of a checked attention call.
@@ -312,6 +313,38 @@ pub(crate) fn check_output(
         return Err(shape_error(format!(
             "{what} has shape {out:?} but the output is [batch, heads, len_q, d_v] = {:?}",
             [b, h, l, d]
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that a caller's `gradients` fit `call` (whose `q`, `k` and `v`
+/// may be converted copies of the caller's): each has its input's shape,
+/// and `d_bias` is there, in the bias's shape, exactly when the options
+/// have a bias.
+pub(crate) fn check_gradients<F: Storage, KV, Q>(
+    gradients: &AttentionGradients<F>,
+    call: &Call<'_, F::Compute, KV, Q>,
+) -> Result<(), AttentionError> {
+    let pairs = [
+        ("d_q", gradients.d_q.shape(), "q", call.q.shape()),
+        ("d_k", gradients.d_k.shape(), "k", call.k.shape()),
+        ("d_v", gradients.d_v.shape(), "v", call.v.shape()),
+    ];
+    for (name, got, input, expected) in pairs {
+        if got != expected {
+            return Err(shape_error(format!(
+                "{name} has shape {got:?} but {input} has shape {expected:?}"
+            )));
+        }
+    }
+    let bias = call.opts.bias.as_ref().map(|bias| bias.shape());
+    let d_bias = gradients.d_bias.as_ref().map(|d_bias| d_bias.shape());
+    if d_bias != bias {
+        return Err(shape_error(format!(
+            "d_bias is {} but the options' bias is {}",
+            d_bias.map_or("None".into(), |s| format!("of shape {s:?}")),
+            bias.map_or("None".into(), |s| format!("of shape {s:?}")),
         )));
     }
     Ok(())

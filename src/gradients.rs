@@ -6,7 +6,7 @@ use ndarray::{Array1, Array4, ArrayViewMut4};
 use crate::alloc::try_zeros;
 use crate::call::Call;
 use crate::element::{Element, Storage};
-use crate::error::{AttentionError, shape_error};
+use crate::error::AttentionError;
 
 /// The gradients of a scalar loss `L` with respect to the inputs of an
 /// attention call, from
@@ -51,38 +51,6 @@ impl<F: Storage> AttentionGradients<F> {
             },
             d_sinks: None,
         })
-    }
-
-    /// Checks that these gradients fit `call`, whose `q`, `k` and `v` may be
-    /// converted copies of the caller's: each has its input's shape, and
-    /// `d_bias` is there, in the bias's shape, exactly when the options
-    /// have a bias.
-    pub(crate) fn check_fit<Q, KV>(
-        &self,
-        call: &Call<'_, F::Compute, KV, Q>,
-    ) -> Result<(), AttentionError> {
-        let bias = call.opts.bias.as_ref().map(|bias| bias.shape());
-        let d_bias = self.d_bias.as_ref().map(|d_bias| d_bias.shape());
-        let pairs = [
-            ("d_q", self.d_q.shape(), "q", call.q.shape()),
-            ("d_k", self.d_k.shape(), "k", call.k.shape()),
-            ("d_v", self.d_v.shape(), "v", call.v.shape()),
-        ];
-        for (name, got, input, expected) in pairs {
-            if got != expected {
-                return Err(shape_error(format!(
-                    "{name} has shape {got:?} but {input} has shape {expected:?}"
-                )));
-            }
-        }
-        if d_bias != bias {
-            return Err(shape_error(format!(
-                "d_bias is {} but the options' bias is {}",
-                d_bias.map_or("None".into(), |s| format!("of shape {s:?}")),
-                bias.map_or("None".into(), |s| format!("of shape {s:?}")),
-            )));
-        }
-        Ok(())
     }
 }
 

@@ -325,7 +325,7 @@ pub fn scaled_dot_product_attention_backward_into<F: Storage>(
     let (q, k, v) = (q.view(), k.view(), v.view());
     let (out, d_out, log_sum_exp) = (out.view(), d_out.view(), forward.log_sum_exp());
     let call = call::check_backward(call::check(&q, &k, &v, opts)?, &out, &log_sum_exp, &d_out)?;
-    gradients.check_fit(&call.forward)?;
+    call::check_gradients(gradients, &call.forward)?;
     let AttentionGradients {
         d_q,
         d_k,
