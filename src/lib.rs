@@ -59,8 +59,9 @@ pub use rope::{
 pub use sequence::{simple_self_attention, single_sequence_attention};
 pub use varlen::{
     VarlenGradients, VarlenPartial, scaled_dot_product_attention_varlen,
-    scaled_dot_product_attention_varlen_backward, scaled_dot_product_attention_varlen_into,
-    scaled_dot_product_attention_varlen_partial,
+    scaled_dot_product_attention_varlen_backward,
+    scaled_dot_product_attention_varlen_backward_into, scaled_dot_product_attention_varlen_into,
+    scaled_dot_product_attention_varlen_partial, scaled_dot_product_attention_varlen_partial_into,
 };
 
 /// Scaled dot-product attention, `softmax(Q·Kᵀ·scale + bias, masked)·V`.

@@ -275,19 +275,66 @@ pub fn scaled_dot_product_attention_varlen_partial<F: Element>(
     opts: &AttentionOptions<'_, F>,
 ) -> Result<VarlenPartial<F>, AttentionError> {
     let packed = check(&q, &k, &v, cu_seqlens_q, cu_seqlens_kv, opts)?;
-    let mut output = try_zeros("the output", packed.output_dim())?;
-    let mut log_sum_exp = try_zeros("the log-sum-exp", (packed.total_q, packed.heads))?;
+    let mut partial = VarlenPartial {
+        output: try_zeros("the output", packed.output_dim())?,
+        log_sum_exp: try_zeros("the log-sum-exp", (packed.total_q, packed.heads))?,
+    };
+    scaled_dot_product_attention_varlen_partial_into(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        opts,
+        &mut partial,
+    )?;
+    Ok(partial)
+}
+
+/// [`scaled_dot_product_attention_varlen_partial`] writing into a caller's
+/// `partial` (an earlier step's, or one made with
+/// [`VarlenPartial::from_parts`]; any layout): a training loop that keeps
+/// it allocates no result and faults no new pages in on each step (see
+/// [`scaled_dot_product_attention_partial_into`](crate::scaled_dot_product_attention_partial_into)).
+///
+/// # Errors
+/// As [`scaled_dot_product_attention_varlen`], and when `partial`'s output
+/// is not `[total_q, heads, d_v]`; `partial` is unchanged then. (Other
+/// errors may leave it partly written.)
+///
+/// ```
+/// use ndarray::{Array2, Array3};
+/// use sdpa::{scaled_dot_product_attention_varlen_partial, scaled_dot_product_attention_varlen_partial_into, AttentionOptions, VarlenPartial};
+///
+/// let x = Array3::<f64>::from_shape_fn((5, 1, 2), |(t, _, d)| (t + d) as f64 * 0.1);
+/// let (cu, opts) = ([0, 2, 5], AttentionOptions::new());
+/// let mut kept = VarlenPartial::from_parts(Array3::zeros((5, 1, 2)), Array2::zeros((5, 1)))?;
+/// scaled_dot_product_attention_varlen_partial_into(
+///     x.view(), x.view(), x.view(), &cu, &cu, &opts, &mut kept)?;
+/// let fresh = scaled_dot_product_attention_varlen_partial(
+///     x.view(), x.view(), x.view(), &cu, &cu, &opts)?;
+/// assert_eq!(kept, fresh);
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+pub fn scaled_dot_product_attention_varlen_partial_into<F: Element>(
+    q: ArrayView3<'_, F>,
+    k: ArrayView3<'_, F>,
+    v: ArrayView3<'_, F>,
+    cu_seqlens_q: &[usize],
+    cu_seqlens_kv: &[usize],
+    opts: &AttentionOptions<'_, F>,
+    partial: &mut VarlenPartial<F>,
+) -> Result<(), AttentionError> {
+    let packed = check(&q, &k, &v, cu_seqlens_q, cu_seqlens_kv, opts)?;
+    // `from_parts` made the log-sum-exp `[total_q, heads]` of the output.
+    packed.check_output("partial's output", partial.output.shape())?;
     forward(
         &packed,
         opts,
         [q, k, v],
-        output.view_mut(),
-        Some(log_sum_exp.view_mut()),
-    )?;
-    Ok(VarlenPartial {
-        output,
-        log_sum_exp,
-    })
+        partial.output.view_mut(),
+        Some(partial.log_sum_exp.view_mut()),
+    )
 }
 
 /// The gradients of a scalar loss with respect to `q`, `k`, `v` (and the
@@ -341,12 +388,92 @@ pub fn scaled_dot_product_attention_varlen_backward<F: Element>(
     forward: &VarlenPartial<F>,
     d_out: ArrayView3<'_, F>,
 ) -> Result<VarlenGradients<F>, AttentionError> {
+    // Checked before the arrays are allocated, as each is named after them.
+    check(&q, &k, &v, cu_seqlens_q, cu_seqlens_kv, opts)?;
+    let mut gradients = VarlenGradients {
+        d_q: try_zeros("d_q", q.raw_dim())?,
+        d_k: try_zeros("d_k", k.raw_dim())?,
+        d_v: try_zeros("d_v", v.raw_dim())?,
+        d_sinks: None,
+    };
+    scaled_dot_product_attention_varlen_backward_into(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        opts,
+        forward,
+        d_out,
+        &mut gradients,
+    )?;
+    Ok(gradients)
+}
+
+/// [`scaled_dot_product_attention_varlen_backward`] writing into a caller's
+/// `gradients` (an earlier step's, of any layout): every entry of `d_q`,
+/// `d_k` and `d_v` is overwritten (keys no query sees get zeros), and
+/// `d_sinks` is replaced. A training loop that keeps them allocates no
+/// gradients and faults no new pages in on each step (see
+/// [`scaled_dot_product_attention_backward_into`](crate::scaled_dot_product_attention_backward_into)).
+///
+/// # Errors
+/// As [`scaled_dot_product_attention_varlen_backward`], and when `d_q`,
+/// `d_k` or `d_v` does not have its input's shape; `gradients` are
+/// unchanged then. (Other errors may leave them partly written.)
+///
+/// ```
+/// use ndarray::Array3;
+/// use sdpa::{scaled_dot_product_attention_varlen_backward, scaled_dot_product_attention_varlen_backward_into, scaled_dot_product_attention_varlen_partial, AttentionOptions};
+///
+/// let (cu_q, cu_kv) = ([0, 2, 5], [0, 3, 6]);
+/// let q = Array3::<f32>::from_shape_fn((5, 2, 4), |(t, h, d)| ((t + 2 * h + d) % 5) as f32 * 0.3 - 0.6);
+/// let kv = Array3::<f32>::from_shape_fn((6, 1, 4), |(t, _, d)| ((2 * t + d) % 7) as f32 * 0.2 - 0.5);
+/// let opts = AttentionOptions::new().causal();
+/// let forward = scaled_dot_product_attention_varlen_partial(q.view(), kv.view(), kv.view(), &cu_q, &cu_kv, &opts)?;
+/// let d_out = Array3::<f32>::ones(forward.output().raw_dim());
+/// let mut grads = scaled_dot_product_attention_varlen_backward(
+///     q.view(), kv.view(), kv.view(), &cu_q, &cu_kv, &opts, &forward, d_out.view())?;
+/// let first = grads.clone();
+/// // The next step reuses the arrays.
+/// scaled_dot_product_attention_varlen_backward_into(
+///     q.view(), kv.view(), kv.view(), &cu_q, &cu_kv, &opts, &forward, d_out.view(), &mut grads)?;
+/// assert_eq!(grads, first);
+/// # Ok::<(), sdpa::AttentionError>(())
+/// ```
+// As the allocating call, and the caller's gradients.
+#[allow(clippy::too_many_arguments)]
+pub fn scaled_dot_product_attention_varlen_backward_into<F: Element>(
+    q: ArrayView3<'_, F>,
+    k: ArrayView3<'_, F>,
+    v: ArrayView3<'_, F>,
+    cu_seqlens_q: &[usize],
+    cu_seqlens_kv: &[usize],
+    opts: &AttentionOptions<'_, F>,
+    forward: &VarlenPartial<F>,
+    d_out: ArrayView3<'_, F>,
+    gradients: &mut VarlenGradients<F>,
+) -> Result<(), AttentionError> {
     let packed = check(&q, &k, &v, cu_seqlens_q, cu_seqlens_kv, opts)?;
     packed.check_output("the forward's output", forward.output.shape())?;
     packed.check_output("d_out", d_out.shape())?;
-    let mut d_q = try_zeros("d_q", q.raw_dim())?;
-    let mut d_k = try_zeros("d_k", k.raw_dim())?;
-    let mut d_v = try_zeros("d_v", v.raw_dim())?;
+    for (name, got, input, expected) in [
+        ("d_q", gradients.d_q.shape(), "q", q.shape()),
+        ("d_k", gradients.d_k.shape(), "k", k.shape()),
+        ("d_v", gradients.d_v.shape(), "v", v.shape()),
+    ] {
+        if got != expected {
+            return Err(shape_error(format!(
+                "{name} has shape {got:?} but {input} has shape {expected:?}"
+            )));
+        }
+    }
+    let VarlenGradients {
+        d_q,
+        d_k,
+        d_v,
+        d_sinks,
+    } = gradients;
     let items = split_at_offsets(d_q.view_mut(), cu_seqlens_q)?
         .into_iter()
         .zip(split_at_offsets(d_k.view_mut(), cu_seqlens_kv)?)
@@ -370,6 +497,8 @@ pub fn scaled_dot_product_attention_varlen_backward<F: Element>(
                     log_sum_exp,
                     d_out,
                 };
+                // Each backward path writes every entry of its views,
+                // zeros where no query sees a key.
                 let gradients = GradientsViewMut {
                     d_q: as_call_mut(d_q),
                     d_k: as_call_mut(d_k),
@@ -382,21 +511,17 @@ pub fn scaled_dot_product_attention_varlen_backward<F: Element>(
         },
     );
     // Summed in sequence order, so the sum is the same for any thread count.
-    let mut d_sinks = match opts.sinks {
+    let mut sinks_sum = match opts.sinks {
         Some(_) => Some(try_zeros::<F, _, _>("d_sinks", packed.heads)?),
         None => None,
     };
     for sequence in d_sinks_per_sequence {
-        if let (Some(sum), Some(sequence)) = (d_sinks.as_mut(), sequence?) {
+        if let (Some(sum), Some(sequence)) = (sinks_sum.as_mut(), sequence?) {
             sum.zip_mut_with(&sequence, |total, &x| *total = *total + x);
         }
     }
-    Ok(VarlenGradients {
-        d_q,
-        d_k,
-        d_v,
-        d_sinks,
-    })
+    *d_sinks = sinks_sum;
+    Ok(())
 }
 
 /// A packed call whose arguments agree: its offsets and dimensions.

@@ -9,7 +9,9 @@
 //! written out, and whose gradients are checked against finite
 //! differences. Ragged lengths include 0 and 1, `len_q ≠ len_kv` both
 //! ways, GQA and MQA, sequences past one query and key tile and
-//! decode-sized ones. Beyond the numbers: NaN in one sequence never
+//! decode-sized ones. The `_into` forms of the partial and the backward
+//! write the same bits into a caller's NaN-filled column-major arrays.
+//! Beyond the numbers: NaN in one sequence never
 //! reaches another, results do not depend on the thread count, and every
 //! bad input is an error of the right kind naming the offending values.
 
@@ -19,14 +21,17 @@ use crate::common;
 
 use crate::common::with_threads;
 use common::{Inputs, Rng, assert_close, cast, close, naive_attention, to_f64};
-use ndarray::{Array1, Array2, Array3, Array4, ArrayView, ArrayView3, Axis, Dimension, s};
+use ndarray::{
+    Array1, Array2, Array3, Array4, ArrayView, ArrayView3, Axis, Dimension, ShapeBuilder, s,
+};
 use sdpa::simd::{available_kernel_sets, with_kernel_set};
 use sdpa::{
     AttentionError, AttentionOptions, CausalAlignment, Element, ErrorKind, VarlenGradients,
     VarlenPartial, scaled_dot_product_attention, scaled_dot_product_attention_backward,
     scaled_dot_product_attention_partial, scaled_dot_product_attention_varlen,
-    scaled_dot_product_attention_varlen_backward, scaled_dot_product_attention_varlen_into,
-    scaled_dot_product_attention_varlen_partial,
+    scaled_dot_product_attention_varlen_backward,
+    scaled_dot_product_attention_varlen_backward_into, scaled_dot_product_attention_varlen_into,
+    scaled_dot_product_attention_varlen_partial, scaled_dot_product_attention_varlen_partial_into,
 };
 
 /// `cu_seqlens` for sequences of the given lengths.
@@ -151,6 +156,37 @@ impl<F: Element> Batch<F> {
     fn partial(&self, opts: &AttentionOptions<'_, F>) -> Result<VarlenPartial<F>, AttentionError> {
         let (q, k, v) = (self.q.view(), self.k.view(), self.v.view());
         scaled_dot_product_attention_varlen_partial(q, k, v, &self.cu_q, &self.cu_kv, opts)
+    }
+
+    fn partial_into(
+        &self,
+        opts: &AttentionOptions<'_, F>,
+        partial: &mut VarlenPartial<F>,
+    ) -> Result<(), AttentionError> {
+        let (q, k, v) = (self.q.view(), self.k.view(), self.v.view());
+        let (cu_q, cu_kv) = (&self.cu_q[..], &self.cu_kv[..]);
+        scaled_dot_product_attention_varlen_partial_into(q, k, v, cu_q, cu_kv, opts, partial)
+    }
+
+    fn backward_into(
+        &self,
+        opts: &AttentionOptions<'_, F>,
+        forward: &VarlenPartial<F>,
+        d_out: &Array3<F>,
+        gradients: &mut VarlenGradients<F>,
+    ) -> Result<(), AttentionError> {
+        let (q, k, v) = (self.q.view(), self.k.view(), self.v.view());
+        scaled_dot_product_attention_varlen_backward_into(
+            q,
+            k,
+            v,
+            &self.cu_q,
+            &self.cu_kv,
+            opts,
+            forward,
+            d_out.view(),
+            gradients,
+        )
     }
 
     fn backward(
@@ -541,8 +577,63 @@ fn strided_inputs_give_the_per_sequence_result_on_the_same_views() {
     }
 }
 
+/// A column-major array of NaN: a caller's buffer that an `_into` call
+/// must overwrite entry by entry, whatever its layout.
+fn nan_filled<F: Element, D: Dimension>(dim: D) -> ndarray::Array<F, D> {
+    ndarray::Array::from_elem(dim.f(), cast::<F>(f64::NAN))
+}
+
+/// Checks the `_into` forms against the allocating calls' results, bitwise:
+/// the partial into NaN-filled column-major arrays, and the backward into
+/// NaN-filled ones with a stale `d_sinks`, which must be replaced.
+fn check_into_forms<F: Element>(
+    batch: &Batch<F>,
+    opts: &AttentionOptions<'_, F>,
+    forward: &VarlenPartial<F>,
+    d_out: &Array3<F>,
+    grads: &VarlenGradients<F>,
+    what: &str,
+) {
+    let (output, log_sum_exp) = (forward.output(), forward.log_sum_exp());
+    let mut kept = VarlenPartial::from_parts(
+        nan_filled(output.raw_dim()),
+        nan_filled(log_sum_exp.raw_dim()),
+    )
+    .unwrap();
+    batch.partial_into(opts, &mut kept).unwrap();
+    let into = format!("{what}: partial_into");
+    assert_bitwise(&kept.output(), &output, &format!("{into} output"));
+    assert_bitwise(&kept.log_sum_exp(), &log_sum_exp, &format!("{into} lse"));
+
+    let mut kept = VarlenGradients {
+        d_q: nan_filled(batch.q.raw_dim()),
+        d_k: nan_filled(batch.k.raw_dim()),
+        d_v: nan_filled(batch.v.raw_dim()),
+        d_sinks: Some(Array1::from_elem(3, cast::<F>(f64::NAN))),
+    };
+    batch
+        .backward_into(opts, forward, d_out, &mut kept)
+        .unwrap();
+    let into = format!("{what}: backward_into");
+    for (name, got, expected) in [
+        ("d_q", &kept.d_q, &grads.d_q),
+        ("d_k", &kept.d_k, &grads.d_k),
+        ("d_v", &kept.d_v, &grads.d_v),
+    ] {
+        assert_bitwise(&got.view(), &expected.view(), &format!("{into} {name}"));
+    }
+    match (&kept.d_sinks, &grads.d_sinks) {
+        (Some(got), Some(expected)) => {
+            assert_bitwise(&got.view(), &expected.view(), &format!("{into} d_sinks"))
+        }
+        (None, None) => {}
+        (got, _) => panic!("{into}: d_sinks is {got:?}"),
+    }
+}
+
 /// Checks the packed backward against the 4-D backward of each sequence
-/// alone, bitwise; `d_sinks` against the per-sequence ones summed in order.
+/// alone, bitwise; `d_sinks` against the per-sequence ones summed in order;
+/// and the `_into` forms against the allocating calls.
 fn check_backward_against_each_sequence<F: Element>(
     batch: &Batch<F>,
     opts: &AttentionOptions<'_, F>,
@@ -552,6 +643,7 @@ fn check_backward_against_each_sequence<F: Element>(
     let forward = batch.partial(opts).unwrap();
     let d_out = batch.random_output(seed);
     let grads = batch.backward(opts, &forward, &d_out).unwrap();
+    check_into_forms(batch, opts, &forward, &d_out, &grads, what);
     assert_eq!(grads.d_q.shape(), batch.q.shape());
     assert_eq!(grads.d_k.shape(), batch.k.shape());
     assert_eq!(grads.d_v.shape(), batch.v.shape());
@@ -1064,6 +1156,17 @@ fn expect_error(
     )
     .unwrap();
     let d_out = Array3::zeros((total_q, heads, d_v));
+    let mut kept_forward = VarlenPartial::from_parts(
+        Array3::from_elem((total_q, heads, d_v), 7.0),
+        Array2::from_elem((total_q, heads), 7.0),
+    )
+    .unwrap();
+    let mut kept_gradients = VarlenGradients {
+        d_q: batch.q.mapv(|_| 7.0),
+        d_k: batch.k.mapv(|_| 7.0),
+        d_v: batch.v.mapv(|_| 7.0),
+        d_sinks: None,
+    };
     let (cu_q, cu_kv) = (&batch.cu_q[..], &batch.cu_kv[..]);
     let results = [
         ("varlen", batch.forward(opts).map(|_| ())),
@@ -1075,6 +1178,11 @@ fn expect_error(
         (
             "backward",
             batch.backward(opts, &forward, &d_out).map(|_| ()),
+        ),
+        ("partial_into", batch.partial_into(opts, &mut kept_forward)),
+        (
+            "backward_into",
+            batch.backward_into(opts, &forward, &d_out, &mut kept_gradients),
         ),
     ];
     for (entry, result) in results {
@@ -1091,6 +1199,12 @@ fn expect_error(
         buffer.iter().all(|&x| x == 7.0),
         "_into wrote before failing"
     );
+    let (output, lse) = kept_forward.into_parts();
+    let untouched = output.iter().chain(lse.iter()).all(|&x| x == 7.0);
+    assert!(untouched, "partial_into wrote before failing");
+    let g = &kept_gradients;
+    let untouched = g.d_q.iter().chain(&g.d_k).chain(&g.d_v).all(|&x| x == 7.0);
+    assert!(untouched, "backward_into wrote before failing");
 }
 
 #[test]
@@ -1380,4 +1494,42 @@ fn wrong_output_forward_and_d_out_shapes_are_errors() {
         VarlenPartial::from_parts(output, log_sum_exp).unwrap(),
         forward
     );
+
+    // The caller's arrays of the `_into` forms: a wrong shape is an error
+    // naming the array, and nothing is written.
+    let mut short = short;
+    let error = batch.partial_into(&opts, &mut short).unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::ShapeMismatch);
+    assert!(
+        error
+            .to_string()
+            .contains("partial's output has shape [7, 4, 6]"),
+        "{error}"
+    );
+    assert!(short.output().iter().all(|&x| x == 0.0));
+    let d_out = batch.random_output(141);
+    let grads = batch.backward(&opts, &forward, &d_out).unwrap();
+    type Spoil = fn(&mut VarlenGradients<f32>);
+    let wrong: [(&str, Spoil); 3] = [
+        ("d_q has shape [8, 4, 6] but q", |g| {
+            g.d_q = Array3::zeros((8, 4, 6))
+        }),
+        ("d_k has shape [6, 4, 8] but k", |g| {
+            g.d_k = Array3::zeros((6, 4, 8))
+        }),
+        ("d_v has shape [5, 2, 6] but v", |g| {
+            g.d_v = Array3::zeros((5, 2, 6))
+        }),
+    ];
+    for (needle, spoil) in wrong {
+        let mut gradients = grads.clone();
+        spoil(&mut gradients);
+        let mut written = gradients.clone();
+        let error = batch
+            .backward_into(&opts, &forward, &d_out, &mut written)
+            .unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::ShapeMismatch);
+        assert!(error.to_string().contains(needle), "{error}");
+        assert_eq!(written, gradients, "nothing is written");
+    }
 }
