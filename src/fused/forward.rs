@@ -85,7 +85,8 @@ pub(super) fn prefill<K: Kernel, KV: Load + Float, Q: Query, O: Output>(
     prefill_with(
         kernel,
         call,
-        forward_query_tile(call),
+        // The panels and value rows are `f32` whatever the keys' type.
+        forward_query_tile(call, size_of::<f32>()),
         out,
         log_sum_exp,
         |b, kv_h| {

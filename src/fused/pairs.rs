@@ -199,7 +199,8 @@ fn prefill<K: Kernel, Q: Query, O: Output>(
     let query_tile = if kernels.on_tiles() && call.opts.causal.is_some() {
         AMX_CAUSAL_QUERY_TILE
     } else {
-        forward_query_tile(call)
+        // Keys and values packed as `bf16`.
+        forward_query_tile(call, size_of::<bf16>())
     };
     prefill_with(kernel, call, query_tile, out, log_sum_exp, |b, kv_h| {
         let magnitude = magnitudes[b * call.shape.kv_heads + kv_h];

@@ -275,6 +275,34 @@ fn long_sequences_cross_many_tiles() {
 }
 
 #[test]
+fn long_key_streams_take_tall_query_tiles() {
+    // 2053 keys of d_k + d_v = 512: 4.2 MB of packed keys and values, about
+    // half of it seen under a causal rule, past the 2 MiB from which the
+    // forward runs query tiles of 192 rows (`fused::LONG_QUERY_TILE`): 200
+    // rows are one tall tile and a ragged one, with grouped heads and odd
+    // head widths.
+    let mut rng = Rng(4);
+    let inputs = inputs(&mut rng, 1, 2, 1, 200, 2053, 257, 255, 1.0);
+    for set in available_kernel_sets() {
+        for case in [
+            Case::default(),
+            Case {
+                causal: Some(CausalAlignment::BottomRight),
+                ..Case::default()
+            },
+            Case {
+                causal: Some(CausalAlignment::TopLeft),
+                window: Some(700),
+                key_lengths: true,
+                ..Case::default()
+            },
+        ] {
+            check_contiguous(set, &case, &inputs, 2e-6);
+        }
+    }
+}
+
+#[test]
 fn large_scores_stay_accurate() {
     // Scores up to about ±1e4: the exponent range is exercised, and the
     // error grows with the score's magnitude only through f32 rounding of
