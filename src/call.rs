@@ -10,9 +10,8 @@ use ndarray::{
 };
 
 use crate::alloc;
-use crate::element::{Element, Storage};
+use crate::element::Element;
 use crate::error::{AttentionError, ErrorKind, shape_error};
-use crate::gradients::AttentionGradients;
 use crate::options::AttentionOptions;
 
 /// The dimensions of a checked attention call.
@@ -318,19 +317,12 @@ pub(crate) fn check_output(
     Ok(())
 }
 
-/// Checks that a caller's `gradients` fit `call` (whose `q`, `k` and `v`
-/// may be converted copies of the caller's): each has its input's shape,
-/// and `d_bias` is there, in the bias's shape, exactly when the options
-/// have a bias.
-pub(crate) fn check_gradients<F: Storage, KV, Q>(
-    gradients: &AttentionGradients<F>,
-    call: &Call<'_, F::Compute, KV, Q>,
+/// Checks that the gradient arrays a caller passes have their inputs'
+/// shapes, each given as `(gradient, its shape, input, the input's shape)`:
+/// `d_q`, `d_k` and `d_v` of the 4-D and the packed `_into` backward.
+pub(crate) fn check_gradient_shapes(
+    pairs: [(&str, &[usize], &str, &[usize]); 3],
 ) -> Result<(), AttentionError> {
-    let pairs = [
-        ("d_q", gradients.d_q.shape(), "q", call.q.shape()),
-        ("d_k", gradients.d_k.shape(), "k", call.k.shape()),
-        ("d_v", gradients.d_v.shape(), "v", call.v.shape()),
-    ];
     for (name, got, input, expected) in pairs {
         if got != expected {
             return Err(shape_error(format!(
@@ -338,8 +330,15 @@ pub(crate) fn check_gradients<F: Storage, KV, Q>(
             )));
         }
     }
-    let bias = call.opts.bias.as_ref().map(|bias| bias.shape());
-    let d_bias = gradients.d_bias.as_ref().map(|d_bias| d_bias.shape());
+    Ok(())
+}
+
+/// Checks that a caller's `d_bias` is there, in the bias's shape, exactly
+/// when the options have a bias.
+pub(crate) fn check_bias_gradient(
+    d_bias: Option<&[usize]>,
+    bias: Option<&[usize]>,
+) -> Result<(), AttentionError> {
     if d_bias != bias {
         return Err(shape_error(format!(
             "d_bias is {} but the options' bias is {}",

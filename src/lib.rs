@@ -326,7 +326,16 @@ pub fn scaled_dot_product_attention_backward_into<F: Storage>(
     let (q, k, v) = (q.view(), k.view(), v.view());
     let (out, d_out, log_sum_exp) = (out.view(), d_out.view(), forward.log_sum_exp());
     let call = call::check_backward(call::check(&q, &k, &v, opts)?, &out, &log_sum_exp, &d_out)?;
-    call::check_gradients(gradients, &call.forward)?;
+    let input = &call.forward;
+    call::check_gradient_shapes([
+        ("d_q", gradients.d_q.shape(), "q", input.q.shape()),
+        ("d_k", gradients.d_k.shape(), "k", input.k.shape()),
+        ("d_v", gradients.d_v.shape(), "v", input.v.shape()),
+    ])?;
+    call::check_bias_gradient(
+        gradients.d_bias.as_ref().map(|d_bias| d_bias.shape()),
+        input.opts.bias.as_ref().map(|bias| bias.shape()),
+    )?;
     let AttentionGradients {
         d_q,
         d_k,

@@ -74,9 +74,10 @@ use crate::simd::{self, KernelSet};
 /// scaled scores, `[total_q, heads]` (`−inf` for a row that sees no key;
 /// with sinks, the sink counted).
 ///
-/// Made by [`scaled_dot_product_attention_varlen_partial`], or from
+/// Made by [`scaled_dot_product_attention_varlen_partial`] (or written
+/// again by [`scaled_dot_product_attention_varlen_partial_into`]), or from
 /// received arrays with [`from_parts`](Self::from_parts); taken by
-/// [`scaled_dot_product_attention_varlen_backward`].
+/// [`scaled_dot_product_attention_varlen_backward`] and its `_into`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct VarlenPartial<F> {
     output: Array3<F>,
@@ -125,7 +126,8 @@ impl<F: Element> VarlenPartial<F> {
 }
 
 /// The gradients of a scalar loss with respect to the inputs of a packed
-/// attention call, from [`scaled_dot_product_attention_varlen_backward`],
+/// attention call, from [`scaled_dot_product_attention_varlen_backward`]
+/// (or written again by [`scaled_dot_product_attention_varlen_backward_into`]),
 /// in the packed layouts of the inputs. With grouped-query attention, `d_k`
 /// and `d_v` of a key/value head are summed over the query heads that
 /// share it.
@@ -299,8 +301,10 @@ pub fn scaled_dot_product_attention_varlen_partial<F: Element>(
 ///
 /// # Errors
 /// As [`scaled_dot_product_attention_varlen`], and when `partial`'s output
-/// is not `[total_q, heads, d_v]`; `partial` is unchanged then. (Other
-/// errors may leave it partly written.)
+/// is not `[total_q, heads, d_v]`. Every error named there leaves `partial`
+/// unchanged (all is checked before anything is written); only a kernel
+/// set the CPU lacks or a working buffer that cannot be allocated may
+/// leave it partly written.
 ///
 /// ```
 /// use ndarray::{Array2, Array3};
@@ -388,8 +392,14 @@ pub fn scaled_dot_product_attention_varlen_backward<F: Element>(
     forward: &VarlenPartial<F>,
     d_out: ArrayView3<'_, F>,
 ) -> Result<VarlenGradients<F>, AttentionError> {
-    // Checked before the arrays are allocated, as each is named after them.
-    check(&q, &k, &v, cu_seqlens_q, cu_seqlens_kv, opts)?;
+    // Checked before the arrays are allocated (and again by `_into`).
+    check_backward(
+        [&q, &k, &v],
+        [cu_seqlens_q, cu_seqlens_kv],
+        opts,
+        forward,
+        &d_out,
+    )?;
     let mut gradients = VarlenGradients {
         d_q: try_zeros("d_q", q.raw_dim())?,
         d_k: try_zeros("d_k", k.raw_dim())?,
@@ -419,8 +429,10 @@ pub fn scaled_dot_product_attention_varlen_backward<F: Element>(
 ///
 /// # Errors
 /// As [`scaled_dot_product_attention_varlen_backward`], and when `d_q`,
-/// `d_k` or `d_v` does not have its input's shape; `gradients` are
-/// unchanged then. (Other errors may leave them partly written.)
+/// `d_k` or `d_v` does not have its input's shape. Every error named there
+/// leaves `gradients` unchanged (all is checked before anything is
+/// written); only a kernel set the CPU lacks or a working buffer that
+/// cannot be allocated may leave them partly written.
 ///
 /// ```
 /// use ndarray::Array3;
@@ -454,20 +466,24 @@ pub fn scaled_dot_product_attention_varlen_backward_into<F: Element>(
     d_out: ArrayView3<'_, F>,
     gradients: &mut VarlenGradients<F>,
 ) -> Result<(), AttentionError> {
-    let packed = check(&q, &k, &v, cu_seqlens_q, cu_seqlens_kv, opts)?;
-    packed.check_output("the forward's output", forward.output.shape())?;
-    packed.check_output("d_out", d_out.shape())?;
-    for (name, got, input, expected) in [
+    let packed = check_backward(
+        [&q, &k, &v],
+        [cu_seqlens_q, cu_seqlens_kv],
+        opts,
+        forward,
+        &d_out,
+    )?;
+    call::check_gradient_shapes([
         ("d_q", gradients.d_q.shape(), "q", q.shape()),
         ("d_k", gradients.d_k.shape(), "k", k.shape()),
         ("d_v", gradients.d_v.shape(), "v", v.shape()),
-    ] {
-        if got != expected {
-            return Err(shape_error(format!(
-                "{name} has shape {got:?} but {input} has shape {expected:?}"
-            )));
-        }
-    }
+    ])?;
+    // Allocated before anything is written: a failure leaves the
+    // gradients as they were.
+    let mut sinks_sum = match opts.sinks {
+        Some(_) => Some(try_zeros::<F, _, _>("d_sinks", packed.heads)?),
+        None => None,
+    };
     let VarlenGradients {
         d_q,
         d_k,
@@ -511,10 +527,6 @@ pub fn scaled_dot_product_attention_varlen_backward_into<F: Element>(
         },
     );
     // Summed in sequence order, so the sum is the same for any thread count.
-    let mut sinks_sum = match opts.sinks {
-        Some(_) => Some(try_zeros::<F, _, _>("d_sinks", packed.heads)?),
-        None => None,
-    };
     for sequence in d_sinks_per_sequence {
         if let (Some(sum), Some(sequence)) = (sinks_sum.as_mut(), sequence?) {
             sum.zip_mut_with(&sequence, |total, &x| *total = *total + x);
@@ -621,6 +633,21 @@ fn check<'a, F: Element>(
         heads: shape.heads,
         d_v: shape.d_v,
     })
+}
+
+/// Checks a packed backward call: the forward's arguments ([`check`]),
+/// then the forward's output and `d_out` against the output's shape.
+fn check_backward<'a, F: Element>(
+    [q, k, v]: [&ArrayView3<'_, F>; 3],
+    [cu_seqlens_q, cu_seqlens_kv]: [&'a [usize]; 2],
+    opts: &AttentionOptions<'_, F>,
+    forward: &VarlenPartial<F>,
+    d_out: &ArrayView3<'_, F>,
+) -> Result<Packed<'a>, AttentionError> {
+    let packed = check(q, k, v, cu_seqlens_q, cu_seqlens_kv, opts)?;
+    packed.check_output("the forward's output", forward.output.shape())?;
+    packed.check_output("d_out", d_out.shape())?;
+    Ok(packed)
 }
 
 /// The options that describe the padded `[batch, …, len_kv]` layout are

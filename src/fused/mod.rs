@@ -4,8 +4,9 @@
 //!
 //! For each `(batch, kv_head)` the keys and values are packed once (keys in
 //! panels for the Q·Kᵀ microkernel, values with rows padded to the vector
-//! width), then every query head that shares them and every tile of
-//! `QUERY_TILE` query rows streams the key tiles through:
+//! width), then every query head that shares them and every tile of query
+//! rows (its height chosen by [`forward_query_tile`]) streams the key tiles
+//! through:
 //!
 //! ```text
 //! S  = (scale·Q_tile) · K_jᵀ   (+ bias; masked entries = −inf)
@@ -72,34 +73,54 @@ pub(crate) const CAUSAL_QUERY_TILE: usize = 48;
 /// +5% (causal +10%); `d = 64`, N = 8192 +3% (causal +5%); 240 and 288
 /// rows gained nothing more bidirectional and lost causal.
 pub(crate) const LONG_QUERY_TILE: usize = 192;
-/// Bytes of packed keys and values a query tile streams (about half of
-/// them under a causal rule) from which [`LONG_QUERY_TILE`] pays: at 1 MiB
-/// (`d = 64`, N = 2048; causal `d = 128`, N = 2048) the taller tile
+/// Bytes of packed keys and values a query row sees, on average, from
+/// which [`LONG_QUERY_TILE`] pays: at 1 MiB (`d = 64`, N = 2048; causal
+/// `d = 128`, N = 2048, whose rows see half the keys) the taller tile
 /// measured level or up to 3% slower, at 2 MiB 1.4–1.9% faster. A shape
 /// rule, the same on every CPU (not tuned on one with a smaller L2).
 const STREAMED_BYTES: usize = 2 << 20;
+/// Keys a query row must see, on average, for [`LONG_QUERY_TILE`]: every
+/// call it was measured faster on sees 2048 or more, and a huge `d` alone
+/// (a few keys of 2 MiB) gains nothing from it.
+const LONG_TILE_MIN_KEYS: usize = 16 * KEY_TILE;
 
 /// The forward's query tile for a call whose packed keys and values take
 /// `packed_bytes` per element: chosen by the call's shape and options only
 /// (never the thread count or CPU), so results stay bitwise identical for
-/// any number of threads. Each row's result does not depend on the tile
-/// height anyway: rows are independent and see the same key tiles in the
-/// same order.
+/// any number of threads. A row's result does not depend on the tile
+/// height either, up to the sign of a zero: rows are computed
+/// independently, and a key tile a taller tile visits that the row sees
+/// none of leaves its maximum and sum exact (`α = 1`, weights 0), though
+/// adding its `+0` turns an accumulated `−0` into `+0`.
 pub(crate) fn forward_query_tile<KV, Q>(call: &Call<'_, f32, KV, Q>, packed_bytes: usize) -> usize {
     let shape = call.shape;
-    let causal = call.opts.causal.is_some();
-    let all_keys = (shape.d_k + shape.d_v)
+    let keys = mean_visible_keys(call);
+    let streamed = (shape.d_k + shape.d_v)
         .saturating_mul(packed_bytes)
-        .saturating_mul(shape.len_kv);
-    let streamed = if causal { all_keys / 2 } else { all_keys };
-    if streamed >= STREAMED_BYTES {
+        .saturating_mul(keys);
+    if keys >= LONG_TILE_MIN_KEYS && streamed >= STREAMED_BYTES {
         LONG_QUERY_TILE
-    } else if causal {
+    } else if call.opts.causal.is_some() {
         CAUSAL_QUERY_TILE
     } else {
         QUERY_TILE
     }
 }
+
+/// The keys a query row sees, on average over the rows of the first batch
+/// item: `len_kv` bidirectional, about half of them under a causal rule on
+/// a square call (nearly all for the last few queries of many keys,
+/// bottom-right aligned), at most a window's. One visible range a row:
+/// cheap beside the row's products.
+fn mean_visible_keys<KV, Q>(call: &Call<'_, f32, KV, Q>) -> usize {
+    let len_q = call.shape.len_q;
+    if len_q == 0 || call.shape.batch == 0 {
+        return 0;
+    }
+    let total: usize = (0..len_q).map(|i| call.visible_range(0, i).len()).sum();
+    total / len_q
+}
+
 /// What the fused forward reads queries as: `f32`, or a half call's
 /// `bf16`/`f16`, widened as a query tile loads them.
 pub(crate) trait Query: simd::Load + num_traits::Float {
@@ -331,6 +352,61 @@ mod tests {
             if d % 2 == 1 {
                 assert_eq!(from_f32[d / 2] >> 16, 0, "an odd row's padding");
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod query_tile_tests {
+    use ndarray::Array4;
+
+    use super::{CAUSAL_QUERY_TILE, LONG_QUERY_TILE, QUERY_TILE, forward_query_tile};
+    use crate::call::check;
+    use crate::options::{AttentionOptions, CausalAlignment};
+
+    /// The forward's query tile for `len_q` queries against `len_kv` keys
+    /// of `d_k` and `d_v` (one head), packed in `f32`.
+    fn tile(len_q: usize, len_kv: usize, d: (usize, usize), opts: &AttentionOptions<f32>) -> usize {
+        let q = Array4::<f32>::zeros((1, 1, len_q, d.0));
+        let k = Array4::<f32>::zeros((1, 1, len_kv, d.0));
+        let v = Array4::<f32>::zeros((1, 1, len_kv, d.1));
+        let (q, k, v) = (q.view(), k.view(), v.view());
+        let call = check(&q, &k, &v, opts).expect("a valid call");
+        forward_query_tile(&call, size_of::<f32>())
+    }
+
+    /// Tall tiles from 2 MiB of keys and values a row sees on average
+    /// (half the keys of a square causal call, nearly all for a chunk of
+    /// queries at the end of many keys, at most a window's), and only past
+    /// a thousand keys.
+    #[test]
+    fn tall_query_tiles_where_a_row_sees_2_mib_of_keys_and_values() {
+        let bidirectional = AttentionOptions::new();
+        let causal = AttentionOptions::new().causal();
+        let top_left = AttentionOptions::new().causal_aligned(CausalAlignment::TopLeft);
+        let window = AttentionOptions::new().window(256);
+        let cases = [
+            // 4096 keys of d = 64 + 64: 2 MiB.
+            (4096, 4096, (64, 64), &bidirectional, LONG_QUERY_TILE),
+            (4095, 4095, (64, 64), &bidirectional, QUERY_TILE),
+            (4096, 4096, (64, 64), &causal, CAUSAL_QUERY_TILE),
+            (4096, 4096, (128, 128), &causal, LONG_QUERY_TILE),
+            (4096, 4096, (128, 128), &top_left, LONG_QUERY_TILE),
+            (4094, 4094, (128, 128), &causal, CAUSAL_QUERY_TILE),
+            // The last 256 queries of 4352 keys see 4097 to 4352 of them.
+            (256, 4352, (64, 64), &causal, LONG_QUERY_TILE),
+            (256, 4352, (64, 64), &top_left, CAUSAL_QUERY_TILE),
+            // A window of 256 keys reads them from L2 for any length.
+            (32768, 32768, (128, 128), &window, CAUSAL_QUERY_TILE),
+            // The tests' shapes (`fast_path.rs`): 4 MB, and 2053 − 100 keys.
+            (200, 2053, (257, 255), &bidirectional, LONG_QUERY_TILE),
+            (200, 2053, (257, 255), &causal, LONG_QUERY_TILE),
+            // Huge rows, few keys.
+            (64, 8, (65536, 65536), &bidirectional, QUERY_TILE),
+        ];
+        for (len_q, len_kv, d, opts, expected) in cases {
+            let got = tile(len_q, len_kv, d, opts);
+            assert_eq!(got, expected, "{len_q} × {len_kv}, d {d:?}, {opts:?}");
         }
     }
 }

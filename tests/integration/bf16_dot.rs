@@ -122,11 +122,13 @@ fn check(got: &Array4<bf16>, want: &Array4<f64>, max_v: f64, what: &str) -> f64 
 }
 
 /// `[batch, heads, kv_heads, len_q, len_kv, d_k, d_v]`: lengths off the
-/// 64-key and 48/96-row tiles, d_k odd and off multiples of 32 (which AMX
+/// 64-key and 48/96/192-row tiles, d_k odd and off multiples of 32 (which AMX
 /// does not take), multiples of 32 with d_v off whole tile pairs, GQA/MQA.
 const SHAPES: [[usize; 7]; 10] = [
-    // 4 MiB of bf16 keys and values, 2 MiB seen under a causal rule: the
-    // prefill runs query tiles of 192 rows (`fused::LONG_QUERY_TILE`).
+    // 4 MiB of bf16 keys and values, nearly all of them seen by each row
+    // but for windows and top-left causal: the bidirectional cases (and on
+    // `vdpbf16ps` the bottom-right causal ones; AMX runs causal calls on
+    // 64-row tiles) run query tiles of 192 rows (`fused::LONG_QUERY_TILE`).
     [1, 1, 1, 200, 4100, 384, 128],
     [1, 4, 2, 150, 333, 33, 40],
     [1, 2, 1, 150, 333, 32, 40],

@@ -276,11 +276,12 @@ fn long_sequences_cross_many_tiles() {
 
 #[test]
 fn long_key_streams_take_tall_query_tiles() {
-    // 2053 keys of d_k + d_v = 512: 4.2 MB of packed keys and values, about
-    // half of it seen under a causal rule, past the 2 MiB from which the
-    // forward runs query tiles of 192 rows (`fused::LONG_QUERY_TILE`): 200
-    // rows are one tall tile and a ragged one, with grouped heads and odd
-    // head widths.
+    // 2053 keys of d_k + d_v = 512: 4.2 MB of packed keys and values, of
+    // which a row sees all, or 1854 to 2053 keys bottom-right causal: past
+    // the 2 MiB from which the forward runs query tiles of 192 rows
+    // (`fused::LONG_QUERY_TILE`; 200 rows are one tall tile and a ragged
+    // one), with grouped heads and odd head widths. The window keeps its
+    // rows on short tiles (the rule's unit test says which takes which).
     let mut rng = Rng(4);
     let inputs = inputs(&mut rng, 1, 2, 1, 200, 2053, 257, 255, 1.0);
     for set in available_kernel_sets() {

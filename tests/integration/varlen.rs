@@ -1165,7 +1165,7 @@ fn expect_error(
         d_q: batch.q.mapv(|_| 7.0),
         d_k: batch.k.mapv(|_| 7.0),
         d_v: batch.v.mapv(|_| 7.0),
-        d_sinks: None,
+        d_sinks: Some(Array1::from_elem(1, 7.0)),
     };
     let (cu_q, cu_kv) = (&batch.cu_q[..], &batch.cu_kv[..]);
     let results = [
@@ -1203,8 +1203,12 @@ fn expect_error(
     let untouched = output.iter().chain(lse.iter()).all(|&x| x == 7.0);
     assert!(untouched, "partial_into wrote before failing");
     let g = &kept_gradients;
-    let untouched = g.d_q.iter().chain(&g.d_k).chain(&g.d_v).all(|&x| x == 7.0);
-    assert!(untouched, "backward_into wrote before failing");
+    let d_sinks = g.d_sinks.iter().flatten();
+    let untouched = g.d_q.iter().chain(&g.d_k).chain(&g.d_v).chain(d_sinks);
+    assert!(
+        untouched.into_iter().all(|&x| x == 7.0) && g.d_sinks.is_some(),
+        "backward_into wrote before failing"
+    );
 }
 
 #[test]
@@ -1497,8 +1501,8 @@ fn wrong_output_forward_and_d_out_shapes_are_errors() {
 
     // The caller's arrays of the `_into` forms: a wrong shape is an error
     // naming the array, and nothing is written.
-    let mut short = short;
-    let error = batch.partial_into(&opts, &mut short).unwrap_err();
+    let mut written = short.clone();
+    let error = batch.partial_into(&opts, &mut written).unwrap_err();
     assert_eq!(error.kind(), ErrorKind::ShapeMismatch);
     assert!(
         error
@@ -1506,7 +1510,7 @@ fn wrong_output_forward_and_d_out_shapes_are_errors() {
             .contains("partial's output has shape [7, 4, 6]"),
         "{error}"
     );
-    assert!(short.output().iter().all(|&x| x == 0.0));
+    assert_eq!(written, short, "nothing is written");
     let d_out = batch.random_output(141);
     let grads = batch.backward(&opts, &forward, &d_out).unwrap();
     type Spoil = fn(&mut VarlenGradients<f32>);
