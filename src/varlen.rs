@@ -277,20 +277,14 @@ pub fn scaled_dot_product_attention_varlen_partial<F: Element>(
     opts: &AttentionOptions<'_, F>,
 ) -> Result<VarlenPartial<F>, AttentionError> {
     let packed = check(&q, &k, &v, cu_seqlens_q, cu_seqlens_kv, opts)?;
-    let mut partial = VarlenPartial {
-        output: try_zeros("the output", packed.output_dim())?,
-        log_sum_exp: try_zeros("the log-sum-exp", (packed.total_q, packed.heads))?,
-    };
-    scaled_dot_product_attention_varlen_partial_into(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        opts,
-        &mut partial,
-    )?;
-    Ok(partial)
+    let mut output = try_zeros("the output", packed.output_dim())?;
+    let mut log_sum_exp = try_zeros("the log-sum-exp", (packed.total_q, packed.heads))?;
+    let lse = Some(log_sum_exp.view_mut());
+    forward(&packed, opts, [q, k, v], output.view_mut(), lse)?;
+    Ok(VarlenPartial {
+        output,
+        log_sum_exp,
+    })
 }
 
 /// [`scaled_dot_product_attention_varlen_partial`] writing into a caller's
@@ -392,8 +386,7 @@ pub fn scaled_dot_product_attention_varlen_backward<F: Element>(
     forward: &VarlenPartial<F>,
     d_out: ArrayView3<'_, F>,
 ) -> Result<VarlenGradients<F>, AttentionError> {
-    // Checked before the arrays are allocated (and again by `_into`).
-    check_backward(
+    let packed = check_backward(
         [&q, &k, &v],
         [cu_seqlens_q, cu_seqlens_kv],
         opts,
@@ -406,17 +399,7 @@ pub fn scaled_dot_product_attention_varlen_backward<F: Element>(
         d_v: try_zeros("d_v", v.raw_dim())?,
         d_sinks: None,
     };
-    scaled_dot_product_attention_varlen_backward_into(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        opts,
-        forward,
-        d_out,
-        &mut gradients,
-    )?;
+    backward(&packed, opts, [q, k, v], forward, d_out, &mut gradients)?;
     Ok(gradients)
 }
 
@@ -478,62 +461,7 @@ pub fn scaled_dot_product_attention_varlen_backward_into<F: Element>(
         ("d_k", gradients.d_k.shape(), "k", k.shape()),
         ("d_v", gradients.d_v.shape(), "v", v.shape()),
     ])?;
-    // Allocated before anything is written: a failure leaves the
-    // gradients as they were.
-    let mut sinks_sum = match opts.sinks {
-        Some(_) => Some(try_zeros::<F, _, _>("d_sinks", packed.heads)?),
-        None => None,
-    };
-    let VarlenGradients {
-        d_q,
-        d_k,
-        d_v,
-        d_sinks,
-    } = gradients;
-    let items = split_at_offsets(d_q.view_mut(), cu_seqlens_q)?
-        .into_iter()
-        .zip(split_at_offsets(d_k.view_mut(), cu_seqlens_kv)?)
-        .zip(split_at_offsets(d_v.view_mut(), cu_seqlens_kv)?)
-        .enumerate()
-        .map(|(s, ((d_q, d_k), d_v))| (s, d_q, d_k, d_v))
-        .collect();
-    let kernel_set = simd::current_kernel_set().ok();
-    let (out, log_sum_exp) = (forward.output.view(), forward.log_sum_exp.view());
-    let d_sinks_per_sequence = map_with(
-        items,
-        || (),
-        |_, (s, d_q, d_k, d_v)| {
-            on_kernel_set(kernel_set, || {
-                let (queries, [q, k, v]) = packed.sequence(s, [q, k, v]);
-                let (out, d_out) = (as_call(out, &queries), as_call(d_out, &queries));
-                let log_sum_exp = log_sum_exp_as_call(log_sum_exp, &queries);
-                let call = BackwardCall {
-                    forward: call::check(&q, &k, &v, opts)?,
-                    out,
-                    log_sum_exp,
-                    d_out,
-                };
-                // Each backward path writes every entry of its views,
-                // zeros where no query sees a key.
-                let gradients = GradientsViewMut {
-                    d_q: as_call_mut(d_q),
-                    d_k: as_call_mut(d_k),
-                    d_v: as_call_mut(d_v),
-                    d_bias: None,
-                };
-                F::backward(&call, gradients)?;
-                crate::modifiers::sink_gradients(&call)
-            })
-        },
-    );
-    // Summed in sequence order, so the sum is the same for any thread count.
-    for sequence in d_sinks_per_sequence {
-        if let (Some(sum), Some(sequence)) = (sinks_sum.as_mut(), sequence?) {
-            sum.zip_mut_with(&sequence, |total, &x| *total = *total + x);
-        }
-    }
-    *d_sinks = sinks_sum;
-    Ok(())
+    backward(&packed, opts, [q, k, v], forward, d_out, gradients)
 }
 
 /// A packed call whose arguments agree: its offsets and dimensions.
@@ -747,6 +675,75 @@ fn forward<F: Element>(
     )
     .into_iter()
     .collect()
+}
+
+/// The packed backward of a checked call into `gradients` of the inputs'
+/// shapes: each sequence runs the 4-D backward's path on its rows, which
+/// writes every entry of its views; `d_sinks` is replaced.
+fn backward<F: Element>(
+    packed: &Packed<'_>,
+    opts: &AttentionOptions<'_, F>,
+    [q, k, v]: [ArrayView3<'_, F>; 3],
+    forward: &VarlenPartial<F>,
+    d_out: ArrayView3<'_, F>,
+    gradients: &mut VarlenGradients<F>,
+) -> Result<(), AttentionError> {
+    // Allocated before anything is written: a failure leaves the
+    // gradients as they were.
+    let mut sinks_sum = match opts.sinks {
+        Some(_) => Some(try_zeros::<F, _, _>("d_sinks", packed.heads)?),
+        None => None,
+    };
+    let VarlenGradients {
+        d_q,
+        d_k,
+        d_v,
+        d_sinks,
+    } = gradients;
+    let items = split_at_offsets(d_q.view_mut(), packed.cu_seqlens_q)?
+        .into_iter()
+        .zip(split_at_offsets(d_k.view_mut(), packed.cu_seqlens_kv)?)
+        .zip(split_at_offsets(d_v.view_mut(), packed.cu_seqlens_kv)?)
+        .enumerate()
+        .map(|(s, ((d_q, d_k), d_v))| (s, d_q, d_k, d_v))
+        .collect();
+    let kernel_set = simd::current_kernel_set().ok();
+    let (out, log_sum_exp) = (forward.output.view(), forward.log_sum_exp.view());
+    let d_sinks_per_sequence = map_with(
+        items,
+        || (),
+        |_, (s, d_q, d_k, d_v)| {
+            on_kernel_set(kernel_set, || {
+                let (queries, [q, k, v]) = packed.sequence(s, [q, k, v]);
+                let (out, d_out) = (as_call(out, &queries), as_call(d_out, &queries));
+                let log_sum_exp = log_sum_exp_as_call(log_sum_exp, &queries);
+                let call = BackwardCall {
+                    forward: call::check(&q, &k, &v, opts)?,
+                    out,
+                    log_sum_exp,
+                    d_out,
+                };
+                // Each backward path writes every entry of its views,
+                // zeros where no query sees a key.
+                let gradients = GradientsViewMut {
+                    d_q: as_call_mut(d_q),
+                    d_k: as_call_mut(d_k),
+                    d_v: as_call_mut(d_v),
+                    d_bias: None,
+                };
+                F::backward(&call, gradients)?;
+                crate::modifiers::sink_gradients(&call)
+            })
+        },
+    );
+    // Summed in sequence order, so the sum is the same for any thread count.
+    for sequence in d_sinks_per_sequence {
+        if let (Some(sum), Some(sequence)) = (sinks_sum.as_mut(), sequence?) {
+            sum.zip_mut_with(&sequence, |total, &x| *total = *total + x);
+        }
+    }
+    *d_sinks = sinks_sum;
+    Ok(())
 }
 
 /// Runs `work` with `set` forced, when the calling thread chose one: the

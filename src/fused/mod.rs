@@ -398,7 +398,7 @@ mod query_tile_tests {
             (256, 4352, (64, 64), &top_left, CAUSAL_QUERY_TILE),
             // A window of 256 keys reads them from L2 for any length.
             (32768, 32768, (128, 128), &window, CAUSAL_QUERY_TILE),
-            // The tests' shapes (`fast_path.rs`): 4 MB, and 2053 − 100 keys.
+            // The tests' shape (`fast_path.rs`): 4 MB, and 1953 keys on average.
             (200, 2053, (257, 255), &bidirectional, LONG_QUERY_TILE),
             (200, 2053, (257, 255), &causal, LONG_QUERY_TILE),
             // Huge rows, few keys.

@@ -5,9 +5,15 @@
 //! Each test file pulls this in with `mod common;` and uses only part of it.
 #![allow(dead_code)]
 
-use ndarray::{Array4, ArrayView4, Dimension};
+use ndarray::{Array, Array4, ArrayView4, Dimension, ShapeBuilder};
 use proptest::prelude::*;
 use sdpa::{AttentionOptions, CausalAlignment, Element};
+
+/// A column-major array of NaN: a caller's buffer that an `_into` call
+/// must overwrite entry by entry, whatever its layout.
+pub fn nan_filled<F: Element, D: Dimension>(dim: D) -> Array<F, D> {
+    Array::from_elem(dim.f(), cast::<F>(f64::NAN))
+}
 
 /// `x` as `F` (every `f64` converts to `f32`/`f64`, possibly rounded).
 pub fn cast<F: Element>(x: f64) -> F {

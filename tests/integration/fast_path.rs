@@ -259,46 +259,34 @@ fn every_kernel_set_matches_the_reference_for_every_option_and_head_dim() {
 
 #[test]
 fn long_sequences_cross_many_tiles() {
-    let mut rng = Rng(3);
-    for set in available_kernel_sets() {
-        for case in [
-            Case::default(),
-            Case {
-                causal: Some(CausalAlignment::BottomRight),
-                ..Case::default()
-            },
-        ] {
-            let inputs = inputs(&mut rng, 1, 2, 2, 300, 333, 64, 64, 1.0);
-            check_contiguous(set, &case, &inputs, 2e-6);
-        }
-    }
-}
-
-#[test]
-fn long_key_streams_take_tall_query_tiles() {
-    // 2053 keys of d_k + d_v = 512: 4.2 MB of packed keys and values, of
-    // which a row sees all, or 1854 to 2053 keys bottom-right causal: past
-    // the 2 MiB from which the forward runs query tiles of 192 rows
+    // 300 × 333 crosses many 64-key and 96- or 48-row tiles. 2053 keys of
+    // d_k + d_v = 512 are 4.2 MB of packed keys and values, of which a row
+    // sees all, or 1854 to 2053 keys bottom-right causal: past the 2 MiB
+    // from which the forward runs query tiles of 192 rows
     // (`fused::LONG_QUERY_TILE`; 200 rows are one tall tile and a ragged
     // one), with grouped heads and odd head widths. The window keeps its
     // rows on short tiles (the rule's unit test says which takes which).
-    let mut rng = Rng(4);
-    let inputs = inputs(&mut rng, 1, 2, 1, 200, 2053, 257, 255, 1.0);
-    for set in available_kernel_sets() {
-        for case in [
-            Case::default(),
-            Case {
-                causal: Some(CausalAlignment::BottomRight),
-                ..Case::default()
-            },
-            Case {
-                causal: Some(CausalAlignment::TopLeft),
-                window: Some(700),
-                key_lengths: true,
-                ..Case::default()
-            },
-        ] {
-            check_contiguous(set, &case, &inputs, 2e-6);
+    let mut rng = Rng(3);
+    let cases = [
+        Case::default(),
+        Case {
+            causal: Some(CausalAlignment::BottomRight),
+            ..Case::default()
+        },
+        Case {
+            causal: Some(CausalAlignment::TopLeft),
+            window: Some(700),
+            key_lengths: true,
+            ..Case::default()
+        },
+    ];
+    let shapes = [(2, 300, 333, 64, 64), (1, 200, 2053, 257, 255)];
+    for (kv_heads, len_q, len_kv, d_k, d_v) in shapes {
+        let inputs = inputs(&mut rng, 1, 2, kv_heads, len_q, len_kv, d_k, d_v, 1.0);
+        for set in available_kernel_sets() {
+            for case in &cases {
+                check_contiguous(set, case, &inputs, 2e-6);
+            }
         }
     }
 }

@@ -5,7 +5,7 @@ use ndarray::{Array4, ShapeBuilder, s};
 use proptest::prelude::*;
 
 use crate::common;
-use common::{option_case, seeded};
+use common::{nan_filled, option_case, seeded};
 use sdpa::simd::available_kernel_sets;
 use sdpa::{
     AttentionGradients, AttentionOptions, AttentionPartial, scaled_dot_product_attention_backward,
@@ -108,7 +108,7 @@ fn check(
 
 /// Gradients shaped like `like`, stored column-major and full of NaN.
 fn poisoned_column_major(like: &AttentionGradients<f32>) -> AttentionGradients<f32> {
-    let nan = |x: &Array4<f32>| Array4::from_elem(ShapeBuilder::f(x.raw_dim()), f32::NAN);
+    let nan = |x: &Array4<f32>| nan_filled(x.raw_dim());
     AttentionGradients {
         d_q: nan(&like.d_q),
         d_k: nan(&like.d_k),

@@ -20,10 +20,8 @@ use std::ops::Range;
 use crate::common;
 
 use crate::common::with_threads;
-use common::{Inputs, Rng, assert_close, cast, close, naive_attention, to_f64};
-use ndarray::{
-    Array1, Array2, Array3, Array4, ArrayView, ArrayView3, Axis, Dimension, ShapeBuilder, s,
-};
+use common::{Inputs, Rng, assert_close, cast, close, naive_attention, nan_filled, to_f64};
+use ndarray::{Array1, Array2, Array3, Array4, ArrayView, ArrayView3, Axis, Dimension, s};
 use sdpa::simd::{available_kernel_sets, with_kernel_set};
 use sdpa::{
     AttentionError, AttentionOptions, CausalAlignment, Element, ErrorKind, VarlenGradients,
@@ -575,12 +573,6 @@ fn strided_inputs_give_the_per_sequence_result_on_the_same_views() {
         })
         .unwrap();
     }
-}
-
-/// A column-major array of NaN: a caller's buffer that an `_into` call
-/// must overwrite entry by entry, whatever its layout.
-fn nan_filled<F: Element, D: Dimension>(dim: D) -> ndarray::Array<F, D> {
-    ndarray::Array::from_elem(dim.f(), cast::<F>(f64::NAN))
 }
 
 /// Checks the `_into` forms against the allocating calls' results, bitwise:
