@@ -43,6 +43,8 @@ mod pack;
 #[cfg(feature = "half")]
 mod pairs;
 pub(crate) mod scratch;
+#[cfg(all(target_arch = "x86_64", feature = "half"))]
+mod split;
 mod tile;
 
 use ndarray::{ArrayView4, ArrayViewMut3, ArrayViewMut4};

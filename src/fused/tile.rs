@@ -12,7 +12,7 @@ use num_traits::Float;
 use super::pack::{scaled_row, scaled_rows};
 use super::scratch::Scratch;
 use super::{KEY_TILE, Output, Query};
-use crate::alloc::element_count;
+use crate::alloc::{element_count, try_filled};
 use crate::call::{AttentionShape, Call};
 use crate::error::AttentionError;
 use crate::mask::{biased, broadcast};
@@ -258,6 +258,16 @@ pub(crate) struct TileQueries<'q> {
     /// [`TileSource::PAIRED_QUERIES`].
     #[cfg_attr(not(feature = "half"), allow(dead_code))]
     pub(crate) pairs: &'q [u32],
+    /// `rows` split into three `bf16` parts, each `[max rows][d_k/2]`
+    /// pairs, one after the other, filled only for a source with
+    /// [`TileSource::SPLIT_QUERIES`] (by its
+    /// [`split_queries`](TileSource::split_queries)).
+    #[cfg_attr(not(feature = "half"), allow(dead_code))]
+    pub(crate) split: &'q [u32],
+    /// Per computed row, whether its split cannot be used (see
+    /// [`TileSource::split_queries`]).
+    #[cfg_attr(not(feature = "half"), allow(dead_code))]
+    pub(crate) unsplit: &'q [bool],
     pub(crate) d_k: usize,
     /// The factor a source that applies the scale to the scores applies:
     /// the call's scale, or 1 where the softmax applies it.
@@ -276,6 +286,11 @@ pub(crate) trait TileSource {
     /// `bf16` pairs, and apply the scale to the `f32` scores themselves;
     /// else they read the scaled rows.
     const PAIRED_QUERIES: bool = false;
+
+    /// Whether the scores read [`TileQueries::split`] (and the scaled
+    /// `rows`, where a row is unsplit), which the source fills from the
+    /// scaled rows with [`split_queries`](Self::split_queries).
+    const SPLIT_QUERIES: bool = false;
 
     /// Whether the source's keys carry the call's scale, so that the
     /// scores kernel reads unscaled queries: `scale·q·kᵀ` as `q·(scale·k)ᵀ`,
@@ -311,6 +326,14 @@ pub(crate) trait TileSource {
         o: &mut [f32],
         width: usize,
     );
+
+    /// For a source with [`SPLIT_QUERIES`](Self::SPLIT_QUERIES): splits
+    /// the scaled query rows `q` (`[computed rows][d_k]`) into `parts` (as
+    /// [`TileQueries::split`]), and sets `unsplit[r]` where row `r`'s
+    /// split cannot be used. Other sources are never asked.
+    fn split_queries(&self, q: &[f32], d_k: usize, parts: &mut [u32], unsplit: &mut [bool]) {
+        let _ = (q, d_k, parts, unsplit);
+    }
 
     /// Called on the thread that ran a query tile when it is done with
     /// its key tiles: for kernels that hold per-thread state (AMX tiles).
@@ -365,6 +388,12 @@ pub(crate) struct QueryTile {
     /// The unscaled query rows in `bf16` pairs, `[computed rows][⌈d_k/2⌉]`,
     /// for a source with paired queries; else empty.
     q_pairs: Scratch<u32>,
+    /// The scaled query rows split into three `bf16` parts, for a source
+    /// with split queries; else empty.
+    q_split: Scratch<u32>,
+    /// Per computed row, whether its split cannot be used; empty unless
+    /// the source splits queries.
+    unsplit: Vec<bool>,
     /// Scores, then weights, `[computed rows][KEY_TILE]`.
     scores: Scratch,
     /// Unnormalised output `[computed rows][value_width]`.
@@ -398,6 +427,10 @@ impl QueryTile {
         let pair_rows = if S::PAIRED_QUERIES { rows } else { 0 };
         let len = element_count::<u32>("a query tile", &[pair_rows, shape.d_k.div_ceil(2)])?;
         let q_pairs = Scratch::filled("a query tile", len, 0)?;
+        let split_rows = if S::SPLIT_QUERIES { rows } else { 0 };
+        let len = element_count::<u32>("a query tile", &[3, split_rows, shape.d_k.div_ceil(2)])?;
+        let q_split = Scratch::for_writing("a query tile", len)?;
+        let unsplit = try_filled("a query tile", split_rows, false)?;
         let value_width = shape.d_v.div_ceil(K::LANES) * K::LANES;
         // Every buffer is written before it is read: `attend` loads the
         // queries (zeroing padding rows) and fills `o`, `max` and `sum`;
@@ -407,6 +440,8 @@ impl QueryTile {
         Ok(Self {
             q: buffer(rows.checked_mul(shape.d_k))?,
             q_pairs,
+            q_split,
+            unsplit,
             scores: buffer(Some(rows * KEY_TILE))?,
             o: buffer(rows.checked_mul(value_width))?,
             row: buffer(Some(value_width))?,
@@ -435,6 +470,10 @@ impl QueryTile {
         let d_k = call.shape.d_k;
         let rows = S::computed_rows::<K>(at.rows);
         let in_place = self.load_queries::<K, S, KV, Q>(kernel, call, at, rows);
+        if S::SPLIT_QUERIES {
+            let q = &self.q[..rows * d_k];
+            source.split_queries(q, d_k, &mut self.q_split, &mut self.unsplit);
+        }
         let span = TileSpan::of(at, call);
         // |scale·q·k| ≤ d_k·max|q'|·max|k'| (the scale in q' = scale·q or
         // in k' = scale·k, or outside both): below half of `f32::MAX`
@@ -489,6 +528,8 @@ impl QueryTile {
             let queries = TileQueries {
                 rows: in_place.unwrap_or(&self.q[..rows * d_k]),
                 pairs: &self.q_pairs,
+                split: &self.q_split,
+                unsplit: &self.unsplit,
                 d_k,
                 scale: score_scale,
             };

@@ -42,6 +42,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use super::bf16::{Bf16Dot, PAIR_KEYS};
+use super::split::{SPLIT_PRODUCTS, split16};
 
 /// Rows of every tile.
 const TILE_ROWS: usize = 16;
@@ -131,7 +132,39 @@ impl Amx {
         // tile load and store covers are checked above.
         unsafe {
             configure();
-            scores_tiles(q_pairs, d_pairs, k_pairs, scale, s, s_stride);
+            let (q, k) = ([q_pairs.as_ptr()], [k_pairs.as_ptr()]);
+            scores_tiles(&q, rows, d_pairs, &k, &[(0, 0)], scale, s, s_stride);
+        }
+    }
+
+    /// [`scores`](Self::scores) of `f32` queries and keys split into three
+    /// `bf16` parts each (`split.rs`): `s[r][j] = scale · Σ` of the
+    /// [`SPLIT_PRODUCTS`] `q_parts[a][r]·k_parts[b][j]`, each part laid out
+    /// as `scores` takes its one.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    pub(crate) fn split_scores(
+        self,
+        q_parts: [&[u32]; 3],
+        d_pairs: usize,
+        k_parts: [&[u32]; 3],
+        scale: f32,
+        s: &mut [f32],
+        s_stride: usize,
+    ) {
+        assert!(d_pairs > 0 && d_pairs.is_multiple_of(TILE_PAIRS));
+        let rows = q_parts[0].len() / d_pairs;
+        assert!(rows.is_multiple_of(TILE_ROWS));
+        assert!(q_parts.iter().all(|q| q.len() == rows * d_pairs));
+        assert!(k_parts.iter().all(|k| k.len() == d_pairs * PAIR_KEYS));
+        assert!(s_stride >= PAIR_KEYS);
+        assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + PAIR_KEYS);
+        // SAFETY: as in `scores`, for the sizes checked above.
+        unsafe {
+            configure();
+            let (q, k) = (q_parts.map(<[u32]>::as_ptr), k_parts.map(<[u32]>::as_ptr));
+            scores_tiles(&q, rows, d_pairs, &k, &SPLIT_PRODUCTS, scale, s, s_stride);
         }
     }
 
@@ -168,7 +201,40 @@ impl Amx {
         // SAFETY: as in `scores`, for the sizes checked above.
         unsafe {
             configure();
-            values_tiles(p, p_stride, v_pairs, width, alpha, o);
+            values_tiles::<1>(p, p_stride, [v_pairs.as_ptr()], width, alpha, o);
+        }
+    }
+
+    /// [`accumulate_values`](Self::accumulate_values) of `f32` weights and
+    /// values split into three `bf16` parts each (`split.rs`): `o[r] ←
+    /// alpha[r]·o[r] + Σ_j p[r][j]·v[j]` from the [`SPLIT_PRODUCTS`], the
+    /// weights split here, the values' parts packed as `accumulate_values`
+    /// takes its one. Never skips zero weights: the caller keeps value
+    /// tiles with NaN or an infinity away.
+    ///
+    /// # Panics
+    /// When a size does not fit (a bug in the driver, never bad user input).
+    pub(crate) fn split_accumulate_values(
+        self,
+        p: &[f32],
+        p_stride: usize,
+        v_parts: [&[u32]; 3],
+        width: usize,
+        alpha: &[f32],
+        o: &mut [f32],
+    ) {
+        let rows = alpha.len();
+        assert!(rows.is_multiple_of(TILE_ROWS));
+        assert!(width > 0 && width.is_multiple_of(LANES));
+        assert!(v_parts.iter().all(|v| v.len() == PAIR_KEYS / 2 * width));
+        assert!(o.len() == rows * width);
+        assert!(
+            p_stride >= PAIR_KEYS && (rows == 0 || p.len() >= (rows - 1) * p_stride + PAIR_KEYS)
+        );
+        // SAFETY: as in `scores`, for the sizes checked above.
+        unsafe {
+            configure();
+            values_tiles::<3>(p, p_stride, v_parts.map(<[u32]>::as_ptr), width, alpha, o);
         }
     }
 
@@ -311,28 +377,34 @@ unsafe fn dot<const C: u8, const A: u8, const B: u8>() {
     }
 }
 
-/// [`Amx::scores`], whose checks it relies on. Output tiles 0–3 hold up
-/// to 32 rows × 32 keys (tiles 4–5 their query rows, 6–7 their keys), so
-/// each step loads four tiles for four products; a key tile is two such
-/// blocks; then all rows are scaled.
+/// [`Amx::scores`] and [`Amx::split_scores`], whose checks it relies on:
+/// the sum of `products`, each `(a, b)` the product of query part `q[a]`
+/// and key part `k[b]` (one part of each for `bf16` pairs). Output tiles
+/// 0–3 hold up to 32 rows × 32 keys (tiles 4–5 their query rows, 6–7
+/// their keys), so each product loads its two key tiles, and its two query
+/// tiles where its query part is not the one loaded, for four `tdpbf16ps`;
+/// a key tile is two such blocks; then all rows are scaled.
 ///
 /// # Safety
-/// As [`Amx::scores`] checks, with the tiles configured.
+/// As the callers check, with the tiles configured.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
 unsafe fn scores_tiles(
-    q_pairs: &[u32],
+    q: &[*const u32],
+    rows: usize,
     d_pairs: usize,
-    k_pairs: &[u32],
+    k: &[*const u32],
+    products: &[(usize, usize)],
     scale: f32,
     s: &mut [f32],
     s_stride: usize,
 ) {
-    let rows = q_pairs.len() / d_pairs;
-    let (q, k, s) = (q_pairs.as_ptr(), k_pairs.as_ptr(), s.as_mut_ptr());
+    let s = s.as_mut_ptr();
     let (q_bytes, k_bytes, s_bytes) = (d_pairs * BYTES, PAIR_KEYS * BYTES, s_stride * BYTES);
     let mut r0 = 0;
     // SAFETY (all): rows r0..r0 + n are inside `rows`, pairs t·16.. inside
-    // `d_pairs`, keys h..h + 32 inside the tile, as the caller checked.
+    // `d_pairs`, keys h..h + 32 inside the tile, for every part, as the
+    // callers checked.
     unsafe {
         while r0 < rows {
             let two = rows - r0 >= 2 * TILE_ROWS;
@@ -344,17 +416,26 @@ unsafe fn scores_tiles(
                     zero::<3>();
                 }
                 for t in 0..d_pairs / TILE_PAIRS {
-                    let q_tile = q.add(r0 * d_pairs + t * TILE_PAIRS);
-                    let k_tile = k.add(t * TILE_PAIRS * PAIR_KEYS + h);
-                    load::<4, _>(q_tile, q_bytes);
-                    load::<6, _>(k_tile, k_bytes);
-                    load::<7, _>(k_tile.add(LANES), k_bytes);
-                    dot::<0, 4, 6>();
-                    dot::<1, 4, 7>();
-                    if two {
-                        load::<5, _>(q_tile.add(TILE_ROWS * d_pairs), q_bytes);
-                        dot::<2, 5, 6>();
-                        dot::<3, 5, 7>();
+                    let mut loaded = usize::MAX;
+                    for &(a, b) in products {
+                        let q_tile = q[a].add(r0 * d_pairs + t * TILE_PAIRS);
+                        let k_tile = k[b].add(t * TILE_PAIRS * PAIR_KEYS + h);
+                        let new_rows = a != loaded;
+                        if new_rows {
+                            load::<4, _>(q_tile, q_bytes);
+                        }
+                        load::<6, _>(k_tile, k_bytes);
+                        load::<7, _>(k_tile.add(LANES), k_bytes);
+                        dot::<0, 4, 6>();
+                        dot::<1, 4, 7>();
+                        if two {
+                            if new_rows {
+                                load::<5, _>(q_tile.add(TILE_ROWS * d_pairs), q_bytes);
+                            }
+                            dot::<2, 5, 6>();
+                            dot::<3, 5, 7>();
+                        }
+                        loaded = a;
                     }
                 }
                 let s_tile = s.add(r0 * s_stride + h);
@@ -391,48 +472,70 @@ unsafe fn scores_tiles(
 /// of L1.
 const WEIGHT_ROWS: usize = 2 * TILE_ROWS;
 
-/// [`Amx::accumulate_values`] without skipping, whose checks it relies
+/// [`Amx::accumulate_values`] without skipping (`PARTS = 1`: the
+/// weights rounded to `bf16`, `v` one part) and
+/// [`Amx::split_accumulate_values`] (`PARTS = 3`: the weights split, the
+/// [`SPLIT_PRODUCTS`] of weight and value parts), whose checks it relies
 /// on. Per up to 32 rows ([`WEIGHT_ROWS`]), two phases: first the vector
-/// work, the weights rounded to `bf16` into `weights` and the output rows
+/// work, the weights rounded or split into `weights` and the output rows
 /// scaled by `α`; then the tiles, per up to 32 columns: output tiles 0–3
-/// loaded, the two 32-key halves of the value tile (tiles 6–7, weights in
-/// 4–5) added, and stored back.
+/// loaded, each product's two 32-key halves of the value tile (tiles 6–7,
+/// weights in 4–5, loaded where their part is not the one loaded) added,
+/// and stored back.
 ///
 /// # Safety
-/// As [`Amx::accumulate_values`] checks, with the tiles configured.
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn values_tiles(
+/// As the callers check, with the tiles configured.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn values_tiles<const PARTS: usize>(
     p: &[f32],
     p_stride: usize,
-    v_pairs: &[u32],
+    v: [*const u32; PARTS],
     width: usize,
     alpha: &[f32],
     o: &mut [f32],
 ) {
-    /// Up to `WEIGHT_ROWS` rows of weights as `bf16` pairs along keys.
+    /// Up to `WEIGHT_ROWS` rows of weights as `bf16` pairs along keys, per
+    /// part.
     #[repr(C, align(64))]
-    struct Weights([[u32; PAIR_KEYS / 2]; WEIGHT_ROWS]);
+    struct Weights<const PARTS: usize>([[[u32; PAIR_KEYS / 2]; WEIGHT_ROWS]; PARTS]);
 
+    let products: &[(usize, usize)] = if PARTS == 1 {
+        &[(0, 0)]
+    } else {
+        &SPLIT_PRODUCTS
+    };
     let rows = alpha.len();
-    let (p, v, o) = (p.as_ptr(), v_pairs.as_ptr(), o.as_mut_ptr());
+    let (p, o) = (p.as_ptr(), o.as_mut_ptr());
     let (w_bytes, o_bytes) = (PAIR_KEYS / 2 * BYTES, width * BYTES);
-    let mut weights = Weights([[0; PAIR_KEYS / 2]; WEIGHT_ROWS]);
-    let w = weights.0.as_mut_ptr().cast::<u32>();
+    let mut weights = Weights([[[0; PAIR_KEYS / 2]; WEIGHT_ROWS]; PARTS]);
+    let w: [*mut u32; PARTS] = std::array::from_fn(|a| weights.0[a].as_mut_ptr().cast::<u32>());
     // SAFETY (all): rows r0.. are inside `rows`, columns c0..c0 + 32
-    // inside `width`, key pairs t·16.. inside the value tile, as the
-    // caller checked; `weights` holds WEIGHT_ROWS rows of 32 pairs.
+    // inside `width`, key pairs t·16.. inside each value tile, as the
+    // callers checked; `weights` holds WEIGHT_ROWS rows of 32 pairs a part.
     unsafe {
         for chunk in (0..rows).step_by(WEIGHT_ROWS) {
             let chunk_rows = WEIGHT_ROWS.min(rows - chunk);
             for r in 0..chunk_rows {
                 let p_row = p.add((chunk + r) * p_stride);
-                for h in 0..PAIR_KEYS / (2 * LANES) {
-                    // `_mm512_cvtne2ps_pbh(a, b)` puts `b`'s 16 in the low
-                    // half: keys 2i, 2i + 1 of the row are pair i.
-                    let low = _mm512_loadu_ps(p_row.add(2 * h * LANES));
-                    let high = _mm512_loadu_ps(p_row.add((2 * h + 1) * LANES));
-                    let rounded: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(high, low));
-                    _mm512_store_si512(w.add(r * PAIR_KEYS / 2 + h * LANES).cast(), rounded);
+                if PARTS == 1 {
+                    for h in 0..PAIR_KEYS / (2 * LANES) {
+                        // `_mm512_cvtne2ps_pbh(a, b)` puts `b`'s 16 in the
+                        // low half: keys 2i, 2i + 1 of the row are pair i.
+                        let low = _mm512_loadu_ps(p_row.add(2 * h * LANES));
+                        let high = _mm512_loadu_ps(p_row.add((2 * h + 1) * LANES));
+                        let rounded: __m512i =
+                            std::mem::transmute(_mm512_cvtne2ps_pbh(high, low));
+                        _mm512_store_si512(w[0].add(r * PAIR_KEYS / 2 + h * LANES).cast(), rounded);
+                    }
+                } else {
+                    // 16 weights are 8 pairs: half a vector of each part.
+                    for h in 0..PAIR_KEYS / LANES {
+                        let parts = split16(_mm512_loadu_ps(p_row.add(h * LANES)));
+                        for (a, part) in parts.into_iter().enumerate().take(PARTS) {
+                            let at = w[a].add(r * PAIR_KEYS / 2 + h * LANES / 2);
+                            _mm256_store_si256(at.cast(), part);
+                        }
+                    }
                 }
                 // Once a row's maximum settles, most key tiles leave it
                 // (α = 1): skip the pass over its output row then.
@@ -448,7 +551,6 @@ unsafe fn values_tiles(
             let mut r0 = 0;
             while r0 < chunk_rows {
                 let two = chunk_rows - r0 >= 2 * TILE_ROWS;
-                let w_rows = w.add(r0 * PAIR_KEYS / 2);
                 let mut c0 = 0;
                 while c0 < width {
                     let wide = width - c0 >= 2 * LANES;
@@ -465,21 +567,30 @@ unsafe fn values_tiles(
                         }
                     }
                     for t in 0..PAIR_KEYS / 2 / TILE_PAIRS {
-                        let w_tile = w_rows.add(t * TILE_PAIRS);
-                        let v_tile = v.add(t * TILE_PAIRS * width + c0);
-                        load::<4, _>(w_tile, w_bytes);
-                        load::<6, _>(v_tile, o_bytes);
-                        dot::<0, 4, 6>();
-                        if wide {
-                            load::<7, _>(v_tile.add(LANES), o_bytes);
-                            dot::<1, 4, 7>();
-                        }
-                        if two {
-                            load::<5, _>(w_tile.add(TILE_ROWS * PAIR_KEYS / 2), w_bytes);
-                            dot::<2, 5, 6>();
-                            if wide {
-                                dot::<3, 5, 7>();
+                        let mut loaded = usize::MAX;
+                        for &(a, b) in products {
+                            let w_tile = w[a].add(r0 * PAIR_KEYS / 2 + t * TILE_PAIRS);
+                            let v_tile = v[b].add(t * TILE_PAIRS * width + c0);
+                            let new_rows = a != loaded;
+                            if new_rows {
+                                load::<4, _>(w_tile, w_bytes);
                             }
+                            load::<6, _>(v_tile, o_bytes);
+                            dot::<0, 4, 6>();
+                            if wide {
+                                load::<7, _>(v_tile.add(LANES), o_bytes);
+                                dot::<1, 4, 7>();
+                            }
+                            if two {
+                                if new_rows {
+                                    load::<5, _>(w_tile.add(TILE_ROWS * PAIR_KEYS / 2), w_bytes);
+                                }
+                                dot::<2, 5, 6>();
+                                if wide {
+                                    dot::<3, 5, 7>();
+                                }
+                            }
+                            loaded = a;
                         }
                     }
                     store::<0>(o_tile, o_bytes);
@@ -663,6 +774,117 @@ mod tests {
                         }
                         let got = f64::from(o[r * width + c]);
                         let bound = 1e-5 * (1.0 + want.abs()) * PAIR_KEYS as f64;
+                        assert!(
+                            (got - want).abs() <= bound,
+                            "{rows}×{width} [{r}][{c}]: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// `x` (even length) split into its three parts as `bf16` pairs.
+    fn split_pairs(amx: Amx, x: &[f32]) -> [Vec<u32>; 3] {
+        let mut parts = [(); 3].map(|()| vec![0u32; x.len() / 2]);
+        let [hi, mid, lo] = &mut parts;
+        assert!(!amx.split_pairs(x, 1e30, [hi, mid, lo]));
+        parts
+    }
+
+    /// An `f32` with all 24 bits of its significand irregular, in (−2, 2).
+    fn full_noise(i: usize) -> f32 {
+        ((i as f32) * 0.618_034 + (i as f32) * (i as f32) * 1e-7).fract() * 4.0 - 2.0
+    }
+
+    #[test]
+    fn split_scores_are_f32_accurate() {
+        let Some(amx) = Amx::new() else { return };
+        for d_pairs in [16, 32, 64] {
+            for rows in [16, 48, 96] {
+                let d = 2 * d_pairs;
+                let q: Vec<f32> = (0..rows * d).map(full_noise).collect();
+                let k: Vec<f32> = (0..PAIR_KEYS * d).map(|i| full_noise(i + 7919)).collect();
+                let q_parts = split_pairs(amx, &q);
+                // Key j's dims 2p, 2p + 1 at [p][j], per part.
+                let k_parts = split_pairs(amx, &k).map(|part| {
+                    let mut packed = vec![0u32; d_pairs * PAIR_KEYS];
+                    for j in 0..PAIR_KEYS {
+                        for p in 0..d_pairs {
+                            packed[p * PAIR_KEYS + j] = part[j * d_pairs + p];
+                        }
+                    }
+                    packed
+                });
+                let stride = PAIR_KEYS + 16;
+                let mut s = vec![f32::NAN; rows * stride];
+                let [qh, qm, ql] = &q_parts;
+                let [kh, km, kl] = &k_parts;
+                amx.split_scores([qh, qm, ql], d_pairs, [kh, km, kl], 0.5, &mut s, stride);
+                amx.release();
+                for r in 0..rows {
+                    for j in 0..PAIR_KEYS {
+                        let (q, k) = (&q[r * d..(r + 1) * d], &k[j * d..(j + 1) * d]);
+                        let want: f64 =
+                            q.iter().zip(k).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
+                        let size: f64 = q.iter().zip(k).map(|(a, b)| f64::from(a * b).abs()).sum();
+                        let got = f64::from(s[r * stride + j]) * 2.0;
+                        // What a sequential `f32` sum may be off by.
+                        let bound = d as f64 * f64::from(f32::EPSILON) / 2.0 * size;
+                        assert!(
+                            (got - want).abs() <= bound,
+                            "{rows}×{d} [{r}][{j}]: {got} vs {want}"
+                        );
+                    }
+                    assert!(s[r * stride + PAIR_KEYS].is_nan(), "the gap is untouched");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn split_values_are_f32_accurate() {
+        let Some(amx) = Amx::new() else { return };
+        for width in [16, 48, 128] {
+            for rows in [16, 32, 48, 96] {
+                let p: Vec<f32> = (0..rows * PAIR_KEYS)
+                    .map(|i| full_noise(i).abs() / 2.0)
+                    .collect();
+                let v: Vec<f32> = (0..PAIR_KEYS * width)
+                    .map(|i| full_noise(i + 104_729))
+                    .collect();
+                // Keys 2i, 2i + 1 of column c at [i][c]: split the
+                // transposed rows, then lay the pairs out.
+                let mut by_column = vec![0.0f32; PAIR_KEYS * width];
+                for j in 0..PAIR_KEYS {
+                    for c in 0..width {
+                        by_column[c * PAIR_KEYS + j] = v[j * width + c];
+                    }
+                }
+                let v_parts = split_pairs(amx, &by_column).map(|part| {
+                    let mut packed = vec![0u32; PAIR_KEYS / 2 * width];
+                    for i in 0..PAIR_KEYS / 2 {
+                        for c in 0..width {
+                            packed[i * width + c] = part[c * PAIR_KEYS / 2 + i];
+                        }
+                    }
+                    packed
+                });
+                let alpha: Vec<f32> = (0..rows).map(|r| 0.5 + r as f32 / 256.0).collect();
+                let o0: Vec<f32> = (0..rows * width).map(|i| full_noise(i + 31)).collect();
+                let mut o = o0.clone();
+                let [vh, vm, vl] = &v_parts;
+                amx.split_accumulate_values(&p, PAIR_KEYS, [vh, vm, vl], width, &alpha, &mut o);
+                amx.release();
+                for r in 0..rows {
+                    for c in 0..width {
+                        let scaled = f64::from(alpha[r] * o0[r * width + c]);
+                        let terms = (0..PAIR_KEYS)
+                            .map(|j| f64::from(p[r * PAIR_KEYS + j]) * f64::from(v[j * width + c]));
+                        let want = scaled + terms.clone().sum::<f64>();
+                        let size = scaled.abs() + terms.map(f64::abs).sum::<f64>();
+                        let got = f64::from(o[r * width + c]);
+                        let bound = PAIR_KEYS as f64 * f64::from(f32::EPSILON) / 2.0 * size;
                         assert!(
                             (got - want).abs() <= bound,
                             "{rows}×{width} [{r}][{c}]: {got} vs {want}"

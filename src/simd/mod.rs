@@ -85,9 +85,11 @@ mod neon;
 mod pair_kernels;
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
 mod pair_pack;
+#[cfg(all(target_arch = "x86_64", feature = "half"))]
+mod split;
 
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
-use amx::Amx;
+pub(crate) use amx::Amx;
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
 use bf16::Bf16Dot;
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
@@ -270,6 +272,18 @@ pub(crate) fn pair_kernels(set: KernelSet, d_k: usize) -> Option<PairKernels> {
         .with(Cell::get)
         .unwrap_or_else(|| tiles.is_some() || Bf16Dot::outruns_fma());
     native.then(|| tiles.map_or(PairKernels::Dot(dot), PairKernels::Tiles))
+}
+
+/// The AMX tiles an `f32` prefill on the AVX-512 set splits its products
+/// onto (`fused/split.rs`): where the CPU and OS allow them (as for
+/// [`amx_runs_on`]) and [`with_amx`] has not turned them off.
+#[cfg(all(target_arch = "x86_64", feature = "half"))]
+pub(crate) fn split_tiles() -> Option<Amx> {
+    FORCED_AMX
+        .with(Cell::get)
+        .unwrap_or(true)
+        .then(Amx::new)
+        .flatten()
 }
 
 /// Runs `f` with the `bf16` forward calls it makes on this thread reading

@@ -1,0 +1,323 @@
+//! The prefill of an `f32` call on AMX tiles: every query, key, value and
+//! weight split into three `bf16` parts (`simd/split.rs`), both products
+//! of every tile summed from the six partial products of order ≥ 2⁻¹⁶ on
+//! `tdpbf16ps`. That is `f32` accuracy (0.5–1.07 times the error of an
+//! `f32` FMA sum, measured) at up to 557 `f32`-equivalent GFLOP/s a core
+//! on an Emerald Rapids Xeon, whose FMAs peak at 247: on that CPU the
+//! FMA forward's softmax shares the FMAs' two ports, and no FMA forward
+//! can reach the speed this one does (`docs/PERFORMANCE.md`).
+//!
+//! Everything else, jobs, tiles, masks, modifiers, softmax, log-sum-exp
+//! and sinks, is the `f32` prefill's (`forward.rs`, `tile.rs`): this file
+//! is a [`TileSource`] with its packing, like `pairs.rs` for `bf16`.
+//!
+//! What a split cannot hold is computed in `f32` from the caller's rows,
+//! element by element, so that results mean what the `f32` path's mean:
+//! - a query row (scaled) or a key with a NaN, an infinity, or a magnitude
+//!   of [`split_bound`] or more (whose products might overflow where the
+//!   `f32` path's would not, or whose `hi` part rounds past `bf16`'s
+//!   range) has its scores computed so, a row or a key column at a time:
+//!   a tile's products never mix rows or keys, so no other score's bits
+//!   depend on it;
+//! - a value tile with NaN or an infinity in its `hi` parts (a NaN or an
+//!   infinite value, or one past `bf16`'s range) runs `P·V` on the `f32`
+//!   kernel that skips zero weights, from an `f32` copy of its rows.
+//!
+//! Which path a call takes depends on the CPU, the kernel set and the head
+//! dims (`d_k` a multiple of 32), never on the data nor the thread count.
+
+use half::bf16;
+use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4, CowArray, Ix2};
+
+use super::forward::prefill_with;
+use super::scratch::Scratch;
+use super::tile::{TileQueries, TileSource};
+use super::{KEY_TILE, Output, Query, forward_query_tile};
+use crate::alloc::{element_count, try_filled};
+use crate::call::{Call, head};
+use crate::error::AttentionError;
+use crate::simd::{Amx, Kernel, Load, PAIR_KEYS, ValueRows, ZeroWeights};
+
+const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
+
+/// Query rows per work item of a causal call, as on the `bf16` tiles
+/// (`pairs.rs`): whole blocks of 32 rows.
+const CAUSAL_QUERY_TILE: usize = 64;
+
+/// Bytes of one number of the packed keys and values: three `bf16`.
+const PACKED_BYTES: usize = 3 * size_of::<bf16>();
+
+/// `f32` lanes of the AVX-512 set, the only one this path runs with.
+const LANES: usize = 16;
+
+/// The magnitude below which a scaled query's and a key's numbers split
+/// safely: `d_k·T²` a quarter of `f32::MAX`, so that no partial sum of
+/// the split's products, each at most `(1 + 2⁻⁸)²` times its exact
+/// product, can overflow, nor can the `f32` path's sum of the same
+/// products. (`T` is far below `bf16`'s largest finite number.)
+pub(super) fn split_bound(d_k: usize) -> f32 {
+    (f64::from(f32::MAX) / (4.0 * d_k as f64)).sqrt() as f32
+}
+
+/// The prefill on split tiles, with each `(batch, kv_head)` packed into
+/// [`SplitKeys`]; the call's keys and values are `f32` (`KV::as_f32`), and
+/// `d_k` a multiple of 32 ([`Amx::takes`]).
+///
+/// # Errors
+/// When a buffer cannot be allocated.
+pub(super) fn prefill<K: Kernel, KV: Load, Q: Query, O: Output>(
+    kernel: K,
+    amx: Amx,
+    call: &Call<'_, f32, KV, Q>,
+    out: ArrayViewMut4<'_, O>,
+    log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
+) -> Result<(), AttentionError>
+where
+    KV: num_traits::Float + Sync,
+{
+    let query_tile = if call.opts.causal.is_some() {
+        CAUSAL_QUERY_TILE
+    } else {
+        forward_query_tile(call, PACKED_BYTES)
+    };
+    prefill_with(kernel, call, query_tile, out, log_sum_exp, |b, kv_h| {
+        SplitKeys::pack(amx, call, b, kv_h)
+    })
+}
+
+/// Whether this prefill takes the call: the AVX-512 set's kernel (`K`),
+/// `f32` keys and values, and a `d_k` the tiles take.
+pub(super) fn takes<K: Kernel, KV: Load, Q>(call: &Call<'_, f32, KV, Q>) -> bool {
+    K::LANES == LANES
+        && Amx::takes(call.shape.d_k)
+        && KV::as_f32(head(&call.k, 0, 0)).is_some()
+        && call.shape.len_kv > 0
+}
+
+/// One head's keys and values as three `bf16` parts each, in the packed
+/// layouts of the `bf16` kernels, padded to whole key tiles with zeros.
+struct SplitKeys<'a> {
+    amx: Amx,
+    /// Per part, per key tile `[d_pairs][KEY_TILE]`.
+    keys: [Scratch<u32>; 3],
+    d_pairs: usize,
+    /// Per part, per key tile `[KEY_TILE/2][width]`.
+    values: [Scratch<u32>; 3],
+    /// `d_v` rounded up to whole vectors, as the query tile's output rows.
+    width: usize,
+    /// The head's keys in `f32`, for the scores the split cannot hold.
+    f32_keys: CowArray<'a, f32, Ix2>,
+    /// The keys the split cannot hold ([`split_bound`]), in order.
+    unsplit_keys: Vec<usize>,
+    /// Per key tile: its value rows in `f32` (`[KEY_TILE][width]`, zero
+    /// padded) where the split cannot hold one of them, else empty.
+    unsplit_values: Vec<Vec<f32>>,
+}
+
+impl<'a> SplitKeys<'a> {
+    /// Splits and packs the keys and values of `(b, kv_h)`.
+    ///
+    /// # Errors
+    /// When the buffers are too large to address or cannot be allocated.
+    fn pack<KV: Load, Q>(
+        amx: Amx,
+        call: &'a Call<'_, f32, KV, Q>,
+        b: usize,
+        kv_h: usize,
+    ) -> Result<Self, AttentionError> {
+        let shape = call.shape;
+        let (d_k, d_v) = (shape.d_k, shape.d_v);
+        let tiles = shape.len_kv.div_ceil(KEY_TILE);
+        let padded = tiles * KEY_TILE;
+        let d_pairs = d_k.div_ceil(2);
+        let width = d_v.div_ceil(LANES) * LANES;
+        let what = "split keys and values";
+        let key_len = element_count::<u32>(what, &[padded, d_pairs])?;
+        let value_len = element_count::<u32>(what, &[padded / 2, width])?;
+        let part = |len| Scratch::<u32>::for_writing(what, len);
+        let keys = [part(key_len)?, part(key_len)?, part(key_len)?];
+        let values = [part(value_len)?, part(value_len)?, part(value_len)?];
+        let (f32_keys, f32_values) = (f32_rows(&call.k, b, kv_h), f32_rows(&call.v, b, kv_h));
+        // One key tile's parts at a time, then packed as `bf16` rows are.
+        let mut parts = try_filled(what, element_count::<bf16>(what, &[3, KEY_TILE, d_k.max(d_v)])?, bf16::ZERO)?;
+        let mut source = Self {
+            amx,
+            keys,
+            d_pairs,
+            values,
+            width,
+            f32_keys,
+            unsplit_keys: Vec::new(),
+            unsplit_values: Vec::new(),
+        };
+        let bound = split_bound(d_k);
+        let keys = source.f32_keys.as_slice().expect("standard layout");
+        for t in 0..tiles {
+            let rows = t * KEY_TILE..((t + 1) * KEY_TILE).min(shape.len_kv);
+            if d_k > 0 {
+                let tile = &keys[rows.start * d_k..rows.end * d_k];
+                let [hi, mid, lo] = split_parts(&mut parts, tile.len());
+                if amx.split(tile, bound, [&mut *hi, &mut *mid, &mut *lo]) {
+                    for (j, key) in rows.clone().zip(tile.chunks_exact(d_k)) {
+                        if !key.iter().all(|x| x.abs() < bound) {
+                            source.unsplit_keys.push(j);
+                        }
+                    }
+                }
+                for (part, packed) in [&*hi, &*mid, &*lo].into_iter().zip(&mut source.keys) {
+                    let out = &mut packed[t * KEY_TILE * d_pairs..][..KEY_TILE * d_pairs];
+                    amx.dot().pack_keys(part, d_k, out);
+                }
+            }
+            if d_v > 0 {
+                let tile = &f32_values.as_slice().expect("standard layout")[rows.start * d_v..rows.end * d_v];
+                let [hi, mid, lo] = split_parts(&mut parts, tile.len());
+                // No bound: a value's products are with weights of at most 1;
+                // a `hi` past `bf16`'s range is an infinity, which packing
+                // notes.
+                amx.split(tile, f32::INFINITY, [&mut *hi, &mut *mid, &mut *lo]);
+                let mut nonfinite = [false];
+                for (a, (part, packed)) in [&*hi, &*mid, &*lo].into_iter().zip(&mut source.values).enumerate() {
+                    let out = &mut packed[t * KEY_TILE / 2 * width..][..KEY_TILE / 2 * width];
+                    let mut part_nonfinite = [false];
+                    amx.dot().pack_values(part, d_v, width, out, &mut part_nonfinite);
+                    if a == 0 {
+                        nonfinite = part_nonfinite;
+                    }
+                }
+                if nonfinite[0] {
+                    source.unsplit_values.resize(tiles, Vec::new());
+                    let mut rows_f32 = try_filled(what, KEY_TILE * width, 0.0f32)?;
+                    for (to, from) in rows_f32.chunks_exact_mut(width).zip(tile.chunks_exact(d_v)) {
+                        to[..d_v].copy_from_slice(from);
+                    }
+                    source.unsplit_values[t] = rows_f32;
+                }
+            }
+        }
+        Ok(source)
+    }
+
+    /// The packed parts of the key tile starting at `j0`.
+    fn key_tile(&self, j0: usize) -> [&[u32]; 3] {
+        let len = KEY_TILE * self.d_pairs;
+        [0, 1, 2].map(|a| &self.keys[a][j0 * self.d_pairs..][..len])
+    }
+}
+
+/// The `[len][d]` rows of `x[b, h]` as one block of `f32`: the caller's
+/// where they are one already.
+fn f32_rows<'a, KV: Load>(
+    x: &'a ndarray::ArrayView4<'_, KV>,
+    b: usize,
+    h: usize,
+) -> CowArray<'a, f32, Ix2> {
+    let rows = KV::as_f32(head(x, b, h)).expect("`takes` checked the type");
+    if rows.is_standard_layout() {
+        CowArray::from(rows)
+    } else {
+        CowArray::from(rows.as_standard_layout().into_owned())
+    }
+}
+
+/// The first `len` numbers of each of the three parts kept in `parts`.
+fn split_parts(parts: &mut [bf16], len: usize) -> [&mut [bf16]; 3] {
+    let third = parts.len() / 3;
+    let (hi, rest) = parts.split_at_mut(third);
+    let (mid, lo) = rest.split_at_mut(third);
+    [&mut hi[..len], &mut mid[..len], &mut lo[..len]]
+}
+
+/// `Σ q[x]·k[x]` in `f32`, for the scores the split cannot hold.
+fn f32_score(q: &[f32], k: &[f32]) -> f32 {
+    q.iter().zip(k).fold(0.0, |sum, (q, k)| q.mul_add(*k, sum))
+}
+
+impl TileSource for SplitKeys<'_> {
+    const SPLIT_QUERIES: bool = true;
+
+    fn computed_rows<K: Kernel>(rows: usize) -> usize {
+        Amx::computed_rows(rows)
+    }
+
+    /// The keys the split holds are below [`split_bound`]; any other
+    /// makes the bound unknown.
+    fn max_abs_key(&self) -> f32 {
+        if self.unsplit_keys.is_empty() {
+            split_bound(self.f32_keys.ncols())
+        } else {
+            f32::INFINITY
+        }
+    }
+
+    fn split_queries(&self, q: &[f32], d_k: usize, parts: &mut [u32], unsplit: &mut [bool]) {
+        let bound = split_bound(d_k);
+        let rows = q.len() / d_k;
+        let d_pairs = d_k / 2;
+        let part_len = parts.len() / 3;
+        let (hi, rest) = parts.split_at_mut(part_len);
+        let (mid, lo) = rest.split_at_mut(part_len);
+        for (r, (row, flag)) in q.chunks_exact(d_k).zip(unsplit.iter_mut()).enumerate().take(rows) {
+            let at = r * d_pairs..(r + 1) * d_pairs;
+            *flag = self.amx.split_pairs(
+                row,
+                bound,
+                [&mut hi[at.clone()], &mut mid[at.clone()], &mut lo[at]],
+            );
+        }
+    }
+
+    fn tile_scores<K: Kernel>(&self, _: K, q: &TileQueries<'_>, j0: usize, scores: &mut [f32]) {
+        let d_k = q.d_k;
+        let rows = scores.len() / KEY_TILE;
+        let part_len = q.split.len() / 3;
+        let q_parts = [0, 1, 2].map(|a| &q.split[a * part_len..][..rows * self.d_pairs]);
+        // The queries carry the scale.
+        self.amx
+            .split_scores(q_parts, self.d_pairs, self.key_tile(j0), 1.0, scores, KEY_TILE);
+        // What the split cannot hold, in `f32`: rows, then key columns.
+        let keys = self.f32_keys.as_slice().expect("standard layout");
+        let len_kv = self.f32_keys.nrows();
+        let key = |j: usize| (j < len_kv).then(|| &keys[j * d_k..(j + 1) * d_k]);
+        for r in (0..rows).filter(|&r| q.unsplit[r]) {
+            let row = &q.rows[r * d_k..(r + 1) * d_k];
+            for (j, score) in (j0..).zip(&mut scores[r * KEY_TILE..(r + 1) * KEY_TILE]) {
+                *score = key(j).map_or(0.0, |k| f32_score(row, k));
+            }
+        }
+        let first = self.unsplit_keys.partition_point(|&j| j < j0);
+        for &j in self.unsplit_keys[first..].iter().take_while(|&&j| j < j0 + KEY_TILE) {
+            let k = key(j).expect("a real key");
+            for (r, row) in q.rows.chunks_exact(d_k).take(rows).enumerate() {
+                scores[r * KEY_TILE + j - j0] = f32_score(row, k);
+            }
+        }
+    }
+
+    fn tile_values<K: Kernel>(
+        &self,
+        kernel: K,
+        j0: usize,
+        p: ArrayView2<'_, f32>,
+        alpha: &[f32],
+        o: &mut [f32],
+        width: usize,
+    ) {
+        assert_eq!(width, self.width, "the query tile's rows are padded alike");
+        let t = j0 / KEY_TILE;
+        if let Some(rows) = self.unsplit_values.get(t).filter(|rows| !rows.is_empty()) {
+            let v = ArrayView2::from_shape((KEY_TILE, width), rows).expect("a whole tile");
+            kernel.accumulate_values(p, v, width, alpha, o, ZeroWeights::Skip, ValueRows::Packed);
+            return;
+        }
+        let p = p.as_slice().expect("a query tile's weights are one block");
+        let len = KEY_TILE / 2 * self.width;
+        let tile = [0, 1, 2].map(|a| &self.values[a][j0 / 2 * self.width..][..len]);
+        self.amx
+            .split_accumulate_values(p, KEY_TILE, tile, width, alpha, o);
+    }
+
+    fn finish_query_tile(&self) {
+        self.amx.release();
+    }
+}
