@@ -36,7 +36,7 @@ use super::{KEY_TILE, Output, Query, forward_query_tile};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
-use crate::simd::{Amx, Kernel, Load, PAIR_KEYS, ValueRows, ZeroWeights};
+use crate::simd::{Amx, Kernel, Load, PAIR_KEYS};
 
 const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
 
@@ -46,6 +46,11 @@ const CAUSAL_QUERY_TILE: usize = 64;
 
 /// Bytes of one number of the packed keys and values: three `bf16`.
 const PACKED_BYTES: usize = 3 * size_of::<bf16>();
+
+/// The magnitude from which a value is left out of the split and added in
+/// `f32` instead: far enough below `bf16`'s largest finite number
+/// (`≈ 2¹²⁸`) that its `hi` part never rounds to infinity.
+const UNSPLIT_VALUE: f32 = 1.7014118e38; // 2¹²⁷
 
 /// `f32` lanes of the AVX-512 set, the only one this path runs with.
 const LANES: usize = 16;
@@ -109,9 +114,11 @@ struct SplitKeys<'a> {
     f32_keys: CowArray<'a, f32, Ix2>,
     /// The keys the split cannot hold ([`split_bound`]), in order.
     unsplit_keys: Vec<usize>,
-    /// Per key tile: its value rows in `f32` (`[KEY_TILE][width]`, zero
-    /// padded) where the split cannot hold one of them, else empty.
-    unsplit_values: Vec<Vec<f32>>,
+    /// The head's values in `f32`, for the value rows the split cannot hold.
+    f32_values: CowArray<'a, f32, Ix2>,
+    /// The value rows the split cannot hold ([`UNSPLIT_VALUE`]), in order;
+    /// their parts are zero.
+    unsplit_values: Vec<usize>,
 }
 
 impl<'a> SplitKeys<'a> {
@@ -148,10 +155,12 @@ impl<'a> SplitKeys<'a> {
             width,
             f32_keys,
             unsplit_keys: Vec::new(),
+            f32_values,
             unsplit_values: Vec::new(),
         };
         let bound = split_bound(d_k);
         let keys = source.f32_keys.as_slice().expect("standard layout");
+        let values = source.f32_values.as_slice().expect("standard layout");
         for t in 0..tiles {
             let rows = t * KEY_TILE..((t + 1) * KEY_TILE).min(shape.len_kv);
             if d_k > 0 {
@@ -170,28 +179,26 @@ impl<'a> SplitKeys<'a> {
                 }
             }
             if d_v > 0 {
-                let tile = &f32_values.as_slice().expect("standard layout")[rows.start * d_v..rows.end * d_v];
+                let tile = &values[rows.start * d_v..rows.end * d_v];
                 let [hi, mid, lo] = split_parts(&mut parts, tile.len());
-                // No bound: a value's products are with weights of at most 1;
-                // a `hi` past `bf16`'s range is an infinity, which packing
-                // notes.
-                amx.split(tile, f32::INFINITY, [&mut *hi, &mut *mid, &mut *lo]);
-                let mut nonfinite = [false];
-                for (a, (part, packed)) in [&*hi, &*mid, &*lo].into_iter().zip(&mut source.values).enumerate() {
-                    let out = &mut packed[t * KEY_TILE / 2 * width..][..KEY_TILE / 2 * width];
-                    let mut part_nonfinite = [false];
-                    amx.dot().pack_values(part, d_v, width, out, &mut part_nonfinite);
-                    if a == 0 {
-                        nonfinite = part_nonfinite;
+                if amx.split(tile, UNSPLIT_VALUE, [&mut *hi, &mut *mid, &mut *lo]) {
+                    // Such rows leave the tiles (their parts zero) for the
+                    // `f32` pass of `tile_values`.
+                    for (j, value) in rows.clone().zip(tile.chunks_exact(d_v)) {
+                        if !value.iter().all(|x| x.abs() < UNSPLIT_VALUE) {
+                            source.unsplit_values.push(j);
+                            let at = (j - rows.start) * d_v..(j - rows.start + 1) * d_v;
+                            for part in [&mut *hi, &mut *mid, &mut *lo] {
+                                part[at.clone()].fill(bf16::ZERO);
+                            }
+                        }
                     }
                 }
-                if nonfinite[0] {
-                    source.unsplit_values.resize(tiles, Vec::new());
-                    let mut rows_f32 = try_filled(what, KEY_TILE * width, 0.0f32)?;
-                    for (to, from) in rows_f32.chunks_exact_mut(width).zip(tile.chunks_exact(d_v)) {
-                        to[..d_v].copy_from_slice(from);
-                    }
-                    source.unsplit_values[t] = rows_f32;
+                for (part, packed) in [&*hi, &*mid, &*lo].into_iter().zip(&mut source.values) {
+                    let out = &mut packed[t * KEY_TILE / 2 * width..][..KEY_TILE / 2 * width];
+                    let mut nonfinite = [false];
+                    amx.dot().pack_values(part, d_v, width, out, &mut nonfinite);
+                    debug_assert!(!nonfinite[0], "unsplit rows are zero");
                 }
             }
         }
@@ -296,7 +303,7 @@ impl TileSource for SplitKeys<'_> {
 
     fn tile_values<K: Kernel>(
         &self,
-        kernel: K,
+        _: K,
         j0: usize,
         p: ArrayView2<'_, f32>,
         alpha: &[f32],
@@ -304,17 +311,27 @@ impl TileSource for SplitKeys<'_> {
         width: usize,
     ) {
         assert_eq!(width, self.width, "the query tile's rows are padded alike");
-        let t = j0 / KEY_TILE;
-        if let Some(rows) = self.unsplit_values.get(t).filter(|rows| !rows.is_empty()) {
-            let v = ArrayView2::from_shape((KEY_TILE, width), rows).expect("a whole tile");
-            kernel.accumulate_values(p, v, width, alpha, o, ZeroWeights::Skip, ValueRows::Packed);
-            return;
-        }
+        let p_rows = p;
         let p = p.as_slice().expect("a query tile's weights are one block");
         let len = KEY_TILE / 2 * self.width;
         let tile = [0, 1, 2].map(|a| &self.values[a][j0 / 2 * self.width..][..len]);
         self.amx
             .split_accumulate_values(p, KEY_TILE, tile, width, alpha, o);
+        // The rows the split cannot hold, in `f32`, skipping zero weights
+        // so that a NaN or infinity no row sees never reaches an output.
+        let d_v = self.f32_values.ncols();
+        let values = self.f32_values.as_slice().expect("standard layout");
+        let first = self.unsplit_values.partition_point(|&j| j < j0);
+        for &j in self.unsplit_values[first..].iter().take_while(|&&j| j < j0 + KEY_TILE) {
+            let value = &values[j * d_v..(j + 1) * d_v];
+            for (weight, o) in p_rows.column(j - j0).iter().zip(o.chunks_exact_mut(width)) {
+                if *weight != 0.0 {
+                    for (o, v) in o.iter_mut().zip(value) {
+                        *o = weight.mul_add(*v, *o);
+                    }
+                }
+            }
+        }
     }
 
     fn finish_query_tile(&self) {
