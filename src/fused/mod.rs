@@ -115,12 +115,21 @@ pub(crate) fn forward_query_tile<KV, Q>(call: &Call<'_, f32, KV, Q>, packed_byte
 /// bottom-right aligned), at most a window's. One visible range a row:
 /// cheap beside the row's products.
 fn mean_visible_keys<KV, Q>(call: &Call<'_, f32, KV, Q>) -> usize {
-    let len_q = call.shape.len_q;
-    if len_q == 0 || call.shape.batch == 0 {
+    visible_scores(call)
+        .checked_div(call.shape.len_q)
+        .unwrap_or(0)
+}
+
+/// The scores a head of the first batch item computes that are not
+/// masked by a causal rule, a window or key lengths: the sum of its rows'
+/// visible ranges.
+pub(crate) fn visible_scores<KV, Q>(call: &Call<'_, f32, KV, Q>) -> usize {
+    if call.shape.batch == 0 {
         return 0;
     }
-    let total: usize = (0..len_q).map(|i| call.visible_range(0, i).len()).sum();
-    total / len_q
+    (0..call.shape.len_q)
+        .map(|i| call.visible_range(0, i).len())
+        .sum()
 }
 
 /// What the fused forward reads queries as: `f32`, or a half call's

@@ -32,7 +32,7 @@ use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4, CowArray, Ix2};
 use super::forward::prefill_with;
 use super::scratch::Scratch;
 use super::tile::{TileQueries, TileSource};
-use super::{KEY_TILE, Output, Query, forward_query_tile};
+use super::{KEY_TILE, Output, Query, forward_query_tile, visible_scores};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
@@ -70,16 +70,13 @@ pub(super) fn split_bound(d_k: usize) -> f32 {
 ///
 /// # Errors
 /// When a buffer cannot be allocated.
-pub(super) fn prefill<K: Kernel, KV: Load, Q: Query, O: Output>(
+pub(super) fn prefill<K: Kernel, KV: Load + num_traits::Float + Sync, Q: Query, O: Output>(
     kernel: K,
     amx: Amx,
     call: &Call<'_, f32, KV, Q>,
     out: ArrayViewMut4<'_, O>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
-) -> Result<(), AttentionError>
-where
-    KV: num_traits::Float + Sync,
-{
+) -> Result<(), AttentionError> {
     let query_tile = if call.opts.causal.is_some() {
         CAUSAL_QUERY_TILE
     } else {
@@ -90,13 +87,34 @@ where
     })
 }
 
+/// The smallest `d_k` this prefill takes. Measured on an Emerald Rapids
+/// Xeon (one thread, H = 8, against the FMA prefill, N = 512 to 2048):
+/// `d_k = 128` 13–17% faster, 96 5–13%, 64 level or 3% slower (at N =
+/// 256 10% slower): the tiles' fixed costs (a block's 4 output tiles
+/// loaded, stored and waited for; the query, key and value splits) are
+/// paid per `d_k/32` steps of a sum, and 2 steps are too few. Only CPUs
+/// with AMX run it, so the constant is theirs.
+const MIN_D_K: usize = 96;
+
+/// The fewest unmasked scores per head ([`visible_scores`]) this prefill
+/// takes: at N = 256 (65 536 scores, or 32 896 causal) it measured level
+/// with the FMA prefill or up to 3% slower at `d_k` 96 and 128, at N = 512
+/// causal (131 328) 8–9% faster: below that the split of each head's keys
+/// and values, `len_kv·(d_k + d_v)` numbers, is not paid back.
+const MIN_SCORES: usize = 1 << 17;
+
 /// Whether this prefill takes the call: the AVX-512 set's kernel (`K`),
-/// `f32` keys and values, and a `d_k` the tiles take.
+/// `f32` keys and values, a `d_k` the tiles take of at least
+/// [`MIN_D_K`], and at least [`MIN_SCORES`] scores a head. Chosen by the
+/// CPU, the shape and the options only, never the data or the thread
+/// count.
 pub(super) fn takes<K: Kernel, KV: Load, Q>(call: &Call<'_, f32, KV, Q>) -> bool {
     K::LANES == LANES
         && Amx::takes(call.shape.d_k)
-        && KV::as_f32(head(&call.k, 0, 0)).is_some()
+        && call.shape.d_k >= MIN_D_K
         && call.shape.len_kv > 0
+        && KV::as_f32(head(&call.k, 0, 0)).is_some()
+        && visible_scores(call) >= MIN_SCORES
 }
 
 /// One head's keys and values as three `bf16` parts each, in the packed
@@ -146,7 +164,11 @@ impl<'a> SplitKeys<'a> {
         let values = [part(value_len)?, part(value_len)?, part(value_len)?];
         let (f32_keys, f32_values) = (f32_rows(&call.k, b, kv_h), f32_rows(&call.v, b, kv_h));
         // One key tile's parts at a time, then packed as `bf16` rows are.
-        let mut parts = try_filled(what, element_count::<bf16>(what, &[3, KEY_TILE, d_k.max(d_v)])?, bf16::ZERO)?;
+        let mut parts = try_filled(
+            what,
+            element_count::<bf16>(what, &[3, KEY_TILE, d_k.max(d_v)])?,
+            bf16::ZERO,
+        )?;
         let mut source = Self {
             amx,
             keys,
@@ -264,7 +286,12 @@ impl TileSource for SplitKeys<'_> {
         let part_len = parts.len() / 3;
         let (hi, rest) = parts.split_at_mut(part_len);
         let (mid, lo) = rest.split_at_mut(part_len);
-        for (r, (row, flag)) in q.chunks_exact(d_k).zip(unsplit.iter_mut()).enumerate().take(rows) {
+        for (r, (row, flag)) in q
+            .chunks_exact(d_k)
+            .zip(unsplit.iter_mut())
+            .enumerate()
+            .take(rows)
+        {
             let at = r * d_pairs..(r + 1) * d_pairs;
             *flag = self.amx.split_pairs(
                 row,
@@ -280,8 +307,14 @@ impl TileSource for SplitKeys<'_> {
         let part_len = q.split.len() / 3;
         let q_parts = [0, 1, 2].map(|a| &q.split[a * part_len..][..rows * self.d_pairs]);
         // The queries carry the scale.
-        self.amx
-            .split_scores(q_parts, self.d_pairs, self.key_tile(j0), 1.0, scores, KEY_TILE);
+        self.amx.split_scores(
+            q_parts,
+            self.d_pairs,
+            self.key_tile(j0),
+            1.0,
+            scores,
+            KEY_TILE,
+        );
         // What the split cannot hold, in `f32`: rows, then key columns.
         let keys = self.f32_keys.as_slice().expect("standard layout");
         let len_kv = self.f32_keys.nrows();
@@ -293,7 +326,10 @@ impl TileSource for SplitKeys<'_> {
             }
         }
         let first = self.unsplit_keys.partition_point(|&j| j < j0);
-        for &j in self.unsplit_keys[first..].iter().take_while(|&&j| j < j0 + KEY_TILE) {
+        for &j in self.unsplit_keys[first..]
+            .iter()
+            .take_while(|&&j| j < j0 + KEY_TILE)
+        {
             let k = key(j).expect("a real key");
             for (r, row) in q.rows.chunks_exact(d_k).take(rows).enumerate() {
                 scores[r * KEY_TILE + j - j0] = f32_score(row, k);
@@ -322,7 +358,10 @@ impl TileSource for SplitKeys<'_> {
         let d_v = self.f32_values.ncols();
         let values = self.f32_values.as_slice().expect("standard layout");
         let first = self.unsplit_values.partition_point(|&j| j < j0);
-        for &j in self.unsplit_values[first..].iter().take_while(|&&j| j < j0 + KEY_TILE) {
+        for &j in self.unsplit_values[first..]
+            .iter()
+            .take_while(|&&j| j < j0 + KEY_TILE)
+        {
             let value = &values[j * d_v..(j + 1) * d_v];
             for (weight, o) in p_rows.column(j - j0).iter().zip(o.chunks_exact_mut(width)) {
                 if *weight != 0.0 {

@@ -38,6 +38,7 @@
 
 use std::arch::asm;
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 use std::time::Instant;
 
@@ -507,14 +508,28 @@ unsafe fn values_tiles<const PARTS: usize>(
     let rows = alpha.len();
     let (p, o) = (p.as_ptr(), o.as_mut_ptr());
     let (w_bytes, o_bytes) = (PAIR_KEYS / 2 * BYTES, width * BYTES);
-    let mut weights = Weights([[[0; PAIR_KEYS / 2]; WEIGHT_ROWS]; PARTS]);
-    let w: [*mut u32; PARTS] = std::array::from_fn(|a| weights.0[a].as_mut_ptr().cast::<u32>());
-    // SAFETY (all): rows r0.. are inside `rows`, columns c0..c0 + 32
-    // inside `width`, key pairs t·16.. inside each value tile, as the
-    // callers checked; `weights` holds WEIGHT_ROWS rows of 32 pairs a part.
-    unsafe {
-        for chunk in (0..rows).step_by(WEIGHT_ROWS) {
-            let chunk_rows = WEIGHT_ROWS.min(rows - chunk);
+    // Two sets of weights: a chunk's are rounded or split, and its output
+    // rows scaled, before the tiles of the chunk before it run, so that
+    // the tile loads of its weights and output rows come well after the
+    // vector stores to them (a tile load right behind them waits for
+    // them: measured, `f32` split, d = 64, the first product of a chunk
+    // took a fifth of the kernel's time).
+    // Left uninitialised (zeroing them cost more than 1% of a call): the
+    // tiles read only the rows `prepare` wrote.
+    let mut weights = [const { MaybeUninit::<Weights<PARTS>>::uninit() }; 2];
+    let sets: [[*mut u32; PARTS]; 2] = [0, 1].map(|n| {
+        let set = weights[n]
+            .as_mut_ptr()
+            .cast::<[[u32; PAIR_KEYS / 2]; WEIGHT_ROWS]>();
+        // SAFETY: part `a` of a set is inside it (a pointer, nothing read).
+        std::array::from_fn(|a| unsafe { set.add(a) }.cast::<u32>())
+    });
+    // The vector work of the chunk of rows from `chunk`, into `w`.
+    let prepare = |chunk: usize, w: [*mut u32; PARTS]| {
+        let chunk_rows = WEIGHT_ROWS.min(rows - chunk);
+        // SAFETY: rows chunk..chunk + chunk_rows are inside `rows`, as the
+        // callers checked; `w` holds WEIGHT_ROWS rows of 32 pairs a part.
+        unsafe {
             for r in 0..chunk_rows {
                 let p_row = p.add((chunk + r) * p_stride);
                 if PARTS == 1 {
@@ -523,8 +538,7 @@ unsafe fn values_tiles<const PARTS: usize>(
                         // low half: keys 2i, 2i + 1 of the row are pair i.
                         let low = _mm512_loadu_ps(p_row.add(2 * h * LANES));
                         let high = _mm512_loadu_ps(p_row.add((2 * h + 1) * LANES));
-                        let rounded: __m512i =
-                            std::mem::transmute(_mm512_cvtne2ps_pbh(high, low));
+                        let rounded: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(high, low));
                         _mm512_store_si512(w[0].add(r * PAIR_KEYS / 2 + h * LANES).cast(), rounded);
                     }
                 } else {
@@ -548,6 +562,22 @@ unsafe fn values_tiles<const PARTS: usize>(
                     }
                 }
             }
+        }
+    };
+    // SAFETY (all): rows r0.. are inside `rows`, columns c0..c0 + 32
+    // inside `width`, key pairs t·16.. inside each value tile, as the
+    // callers checked; each set of weights holds WEIGHT_ROWS rows of 32
+    // pairs a part.
+    unsafe {
+        if rows > 0 {
+            prepare(0, sets[0]);
+        }
+        for (n, chunk) in (0..rows).step_by(WEIGHT_ROWS).enumerate() {
+            let chunk_rows = WEIGHT_ROWS.min(rows - chunk);
+            if chunk + WEIGHT_ROWS < rows {
+                prepare(chunk + WEIGHT_ROWS, sets[(n + 1) % 2]);
+            }
+            let w = sets[n % 2];
             let mut r0 = 0;
             while r0 < chunk_rows {
                 let two = chunk_rows - r0 >= 2 * TILE_ROWS;
@@ -825,8 +855,11 @@ mod tests {
                 for r in 0..rows {
                     for j in 0..PAIR_KEYS {
                         let (q, k) = (&q[r * d..(r + 1) * d], &k[j * d..(j + 1) * d]);
-                        let want: f64 =
-                            q.iter().zip(k).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
+                        let want: f64 = q
+                            .iter()
+                            .zip(k)
+                            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                            .sum();
                         let size: f64 = q.iter().zip(k).map(|(a, b)| f64::from(a * b).abs()).sum();
                         let got = f64::from(s[r * stride + j]) * 2.0;
                         // What a sequential `f32` sum may be off by.

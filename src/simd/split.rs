@@ -134,15 +134,16 @@ mod tests {
         let x: Vec<f32> = (0..1001)
             .map(|i| {
                 let m = ((i as f32) * 0.618_034).fract() + 0.5;
-                let e = (i % 61) as i32 - 30;
+                let e = (i % 61) - 30;
                 let sign = if i % 3 == 0 { -1.0 } else { 1.0 };
                 sign * m * 2f32.powi(e)
             })
             .collect();
-        let mut parts = [vec![bf16::ZERO; x.len()], vec![bf16::ZERO; x.len()], vec![
-            bf16::ZERO;
-            x.len()
-        ]];
+        let mut parts = [
+            vec![bf16::ZERO; x.len()],
+            vec![bf16::ZERO; x.len()],
+            vec![bf16::ZERO; x.len()],
+        ];
         let [hi, mid, lo] = &mut parts;
         assert!(!amx.split(&x, 1e30, [hi, mid, lo]));
         for (i, &x) in x.iter().enumerate() {

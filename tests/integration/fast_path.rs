@@ -5,9 +5,38 @@ use ndarray::{Array4, ArrayView4, Axis, s};
 use sdpa::simd::{KernelSet, available_kernel_sets};
 use sdpa::{AttentionOptions, CausalAlignment};
 
-/// `f` with every `f32` call on this thread running on kernel set `set`.
-fn on<R>(set: KernelSet, f: impl FnOnce() -> R) -> R {
-    sdpa::simd::with_kernel_set(set, f).expect("an available kernel set")
+/// A kernel set, and whether its prefills may use AMX tiles: on a CPU with
+/// AMX, `f32` prefills of `d_k` ≥ 96 split their products onto the tiles
+/// (`avx512+amx`) unless turned off (`avx512`), so both are tested.
+#[derive(Clone, Copy, Debug)]
+struct Engine {
+    set: KernelSet,
+    amx: bool,
+}
+
+impl std::fmt::Display for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", self.set, if self.amx { "+amx" } else { "" })
+    }
+}
+
+/// Every engine this CPU has: each kernel set without AMX tiles, and the
+/// sets that can use them with.
+fn engines() -> Vec<Engine> {
+    let mut engines = Vec::new();
+    for set in available_kernel_sets() {
+        engines.push(Engine { set, amx: false });
+        if sdpa::simd::amx_runs_on(set) {
+            engines.push(Engine { set, amx: true });
+        }
+    }
+    engines
+}
+
+/// `f` with every `f32` call on this thread running on `engine`.
+fn on<R>(engine: Engine, f: impl FnOnce() -> R) -> R {
+    sdpa::simd::with_kernel_set(engine.set, || sdpa::simd::with_amx(engine.amx, f))
+        .expect("an available kernel set")
 }
 
 /// Deterministic uniform numbers in [-1, 1) (SplitMix64).
@@ -87,6 +116,7 @@ fn all_cases() -> Vec<Case> {
 }
 
 /// Inputs for one call, in f64; `f32` copies are made from them.
+#[derive(Clone)]
 struct Inputs {
     q: Array4<f64>,
     k: Array4<f64>,
@@ -164,7 +194,7 @@ fn to_f32(x: &Array4<f64>) -> Array4<f32> {
 /// compares with the f64 reference. `tolerance` is absolute, on outputs of
 /// magnitude ≤ 1.
 fn check(
-    set: KernelSet,
+    set: Engine,
     case: &Case,
     inputs: &Inputs,
     views: (ArrayView4<f32>, ArrayView4<f32>, ArrayView4<f32>),
@@ -210,7 +240,7 @@ fn check(
     }
 }
 
-fn check_contiguous(set: KernelSet, case: &Case, inputs: &Inputs, tolerance: f64) {
+fn check_contiguous(set: Engine, case: &Case, inputs: &Inputs, tolerance: f64) {
     let (q, k, v) = (to_f32(&inputs.q), to_f32(&inputs.k), to_f32(&inputs.v));
     check(set, case, inputs, (q.view(), k.view(), v.view()), tolerance);
 }
@@ -219,7 +249,7 @@ fn check_contiguous(set: KernelSet, case: &Case, inputs: &Inputs, tolerance: f64
 fn every_kernel_set_matches_the_reference_on_all_lengths_and_head_dims() {
     let mut rng = Rng(1);
     let cases = all_cases();
-    for set in available_kernel_sets() {
+    for set in engines() {
         for len in 0..=67usize {
             // Off-diagonal lengths too: len_q <, =, > len_kv.
             let len_kv = [len, (len * 5 + 3) % 68, len / 3][len % 3];
@@ -235,7 +265,7 @@ fn every_kernel_set_matches_the_reference_on_all_lengths_and_head_dims() {
 #[test]
 fn every_kernel_set_matches_the_reference_for_every_option_and_head_dim() {
     let mut rng = Rng(2);
-    for set in available_kernel_sets() {
+    for set in engines() {
         for (n, case) in all_cases().iter().enumerate() {
             for (m, &d) in HEAD_DIMS.iter().enumerate() {
                 let (len_q, len_kv) =
@@ -283,11 +313,150 @@ fn long_sequences_cross_many_tiles() {
     let shapes = [(2, 300, 333, 64, 64), (1, 200, 2053, 257, 255)];
     for (kv_heads, len_q, len_kv, d_k, d_v) in shapes {
         let inputs = inputs(&mut rng, 1, 2, kv_heads, len_q, len_kv, d_k, d_v, 1.0);
-        for set in available_kernel_sets() {
+        for set in engines() {
             for case in &cases {
                 check_contiguous(set, case, &inputs, 2e-6);
             }
         }
+    }
+}
+
+/// Inputs past the `f32` prefill's thresholds for AMX tiles (`d_k` ≥ 96,
+/// 2¹⁷ unmasked scores a head), with `d_k` and `d_v` in whole tiles or not.
+const SPLIT_SHAPES: [(usize, usize, usize, usize); 2] = [(520, 520, 128, 80), (600, 530, 96, 128)];
+
+#[test]
+fn split_tiles_match_the_reference_for_every_option() {
+    let mut rng = Rng(9);
+    for (n, case) in all_cases().iter().enumerate() {
+        let (len_q, len_kv, d_k, d_v) = SPLIT_SHAPES[n % 2];
+        let inputs = inputs(&mut rng, 1, 2, 1, len_q, len_kv, d_k, d_v, 1.0);
+        for set in engines() {
+            check_contiguous(set, case, &inputs, 2e-6);
+        }
+    }
+}
+
+/// The output of a call on `engine` with no option but `scale`.
+fn plain(engine: Engine, inputs: &Inputs, scale: Option<f32>) -> Array4<f32> {
+    let (q, k, v) = (to_f32(&inputs.q), to_f32(&inputs.k), to_f32(&inputs.v));
+    let opts = match scale {
+        Some(scale) => AttentionOptions::new().scale(scale),
+        None => AttentionOptions::new(),
+    };
+    on(engine, || {
+        sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
+    })
+    .expect("a valid call")
+}
+
+#[test]
+fn split_tiles_run_where_the_rule_says() {
+    // Where the CPU has AMX, a call the rule gives the tiles sums in
+    // another order than the FMA kernels (other bits, within f32
+    // accuracy); one it does not (d_k = 64, or too few scores) gives the
+    // same bits with the tiles allowed or not.
+    let Some(tiles) = engines().into_iter().find(|engine| engine.amx) else {
+        return;
+    };
+    let fma = Engine {
+        amx: false,
+        ..tiles
+    };
+    let mut rng = Rng(11);
+    for (len, d_k, taken) in [
+        (520, 128, true),
+        (512, 96, true),
+        (520, 64, false),
+        (256, 128, false),
+    ] {
+        let inputs = inputs(&mut rng, 1, 2, 1, len, len, d_k, 64, 1.0);
+        let (split, reference) = (plain(tiles, &inputs, None), plain(fma, &inputs, None));
+        let differ = split
+            .iter()
+            .zip(&reference)
+            .any(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(differ, taken, "len {len}, d_k {d_k}");
+        for (a, b) in split.iter().zip(&reference) {
+            assert!((a - b).abs() <= 2e-6, "len {len}, d_k {d_k}: {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn split_tiles_compute_what_they_cannot_split_in_f32() {
+    // A query (scale 1) and keys past the split's bound (√(f32::MAX/(4·d_k))
+    // ≈ 8e17 at d_k = 128), a value past 2¹²⁷, an infinite key and a NaN
+    // value, all seen by every row: NaN where the FMA kernels give NaN,
+    // the same numbers elsewhere.
+    let Some(tiles) = engines().into_iter().find(|engine| engine.amx) else {
+        return;
+    };
+    let fma = Engine {
+        amx: false,
+        ..tiles
+    };
+    let mut rng = Rng(12);
+    let mut inputs = inputs(&mut rng, 1, 1, 1, 520, 520, 128, 64, 1.0);
+    // Past the half-way point from `bf16`'s largest finite number to 2¹²⁸
+    // (≈ 3.3961e38): their `hi` parts would round to infinity.
+    // A row the infinite key (in dim 1) does not make NaN.
+    let row = (0..520)
+        .find(|&i| inputs.q[[0, 0, i, 1]] < 0.0)
+        .expect("a row");
+    inputs.q[[0, 0, row, 3]] = 3.397e38;
+    inputs.k[[0, 0, 7, 0]] = 3.397e38;
+    inputs.v[[0, 0, 9, 2]] = 3.397e38;
+    // Past the bound, inside `bf16`'s range.
+    inputs.k[[0, 0, 8, 2]] = 3e18;
+    inputs.k[[0, 0, 13, 1]] = f64::INFINITY;
+    inputs.v[[0, 0, 11, 1]] = f64::NAN;
+    let (split, reference) = (
+        plain(tiles, &inputs, Some(1.0)),
+        plain(fma, &inputs, Some(1.0)),
+    );
+    let mut finite = 0;
+    for ((index, a), b) in split.indexed_iter().zip(&reference) {
+        assert_eq!(a.is_nan(), b.is_nan(), "{index:?}: {a} vs {b}");
+        if a.is_finite() {
+            finite += 1;
+            // Scores up to ±10 at scale 1: both paths' f32 errors in them
+            // move the weights by a few parts in a million.
+            let tolerance = 1e-5 * b.abs().max(1.0);
+            assert!((a - b).abs() <= tolerance, "{index:?}: {a} vs {b}");
+        }
+    }
+    assert!(finite > 1000, "the poisons leave most rows finite");
+}
+
+#[test]
+fn split_tiles_never_see_masked_nan() {
+    // Keys past a batch item's length hold NaN and infinities: no bit of
+    // the output changes, on any engine.
+    let mut rng = Rng(13);
+    let clean = inputs(&mut rng, 1, 2, 1, 520, 520, 128, 64, 1.0);
+    let mut poisoned = clean.clone();
+    poisoned.k.slice_mut(s![.., .., 400.., ..]).fill(f64::NAN);
+    poisoned
+        .v
+        .slice_mut(s![.., .., 400.., 3])
+        .fill(f64::INFINITY);
+    poisoned.v.slice_mut(s![.., .., 450.., ..]).fill(f64::NAN);
+    let lengths = [400];
+    let run = |engine: Engine, inputs: &Inputs| {
+        let (q, k, v) = (to_f32(&inputs.q), to_f32(&inputs.k), to_f32(&inputs.v));
+        let opts = AttentionOptions::new().key_lengths(&lengths);
+        on(engine, || {
+            sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
+        })
+        .expect("a valid call")
+    };
+    for engine in engines() {
+        let (a, b) = (run(engine, &clean), run(engine, &poisoned));
+        assert!(
+            a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{engine}: a masked poison changed the output"
+        );
     }
 }
 
@@ -297,7 +466,7 @@ fn large_scores_stay_accurate() {
     // error grows with the score's magnitude only through f32 rounding of
     // the scores themselves.
     let mut rng = Rng(4);
-    for set in available_kernel_sets() {
+    for set in engines() {
         for case in [
             Case::default(),
             Case {
@@ -316,7 +485,7 @@ fn large_scores_stay_accurate() {
 #[test]
 fn misaligned_and_strided_views_match() {
     let mut rng = Rng(5);
-    for set in available_kernel_sets() {
+    for set in engines() {
         for pad in 0..4 {
             let inputs = inputs(&mut rng, 2, 2, 2, 19, 23, 17, 9, 1.0);
             // Start every view `pad` elements into a bigger buffer, so rows
@@ -359,7 +528,7 @@ fn misaligned_and_strided_views_match() {
 
 #[test]
 fn masked_nan_and_infinity_never_reach_the_output() {
-    for set in available_kernel_sets() {
+    for set in engines() {
         let mut rng = Rng(6);
         let mut inputs = inputs(&mut rng, 1, 1, 1, 70, 70, 8, 8, 1.0);
         // Causal: key j is hidden from rows i < j. Poison the last keys.
@@ -443,7 +612,7 @@ fn sdpa_kernel_forces_the_selected_set() {
 
 #[test]
 fn rows_with_no_visible_key_are_zero() {
-    for set in available_kernel_sets() {
+    for set in engines() {
         let x = Array4::<f32>::ones((1, 1, 5, 4));
         // Bottom-right causal with len_q > len_kv: the first rows see nothing.
         let k = x.slice(s![.., .., ..3, ..]);
@@ -462,7 +631,7 @@ fn rows_with_no_visible_key_are_zero() {
 }
 
 /// `‖fast − reference‖ / ‖reference‖` on random normal inputs scaled by `sigma`.
-fn relative_frobenius_error(set: KernelSet, causal: bool, sigma: f64, rng: &mut Rng) -> f64 {
+fn relative_frobenius_error(set: Engine, causal: bool, sigma: f64, rng: &mut Rng) -> f64 {
     let dim = (1, 4, 256, 64);
     let mut normal = |_| Array4::from_shape_simple_fn(dim, || rng.normal() * sigma);
     let (q, k, v) = (normal(0), normal(1), normal(2));
@@ -503,7 +672,7 @@ fn accuracy_is_at_least_torchs_on_random_normal_inputs() {
     // torch's f32 SDPA on this machine (../shared/peers/py_accuracy.py):
     // relative Frobenius error about 4e-7 at sigma 1 and 2e-6 at sigma 4.
     let mut rng = Rng(7);
-    for set in available_kernel_sets() {
+    for set in engines() {
         for causal in [false, true] {
             for (sigma, torch) in [(1.0, 4e-7), (4.0, 2e-6)] {
                 let error = relative_frobenius_error(set, causal, sigma, &mut rng);
@@ -565,7 +734,7 @@ fn decoding_against_a_long_cache_matches_the_reference() {
     // A few query rows against more keys than one decode chunk: keys are
     // read in place and chunk partials merged.
     let mut rng = Rng(9);
-    for set in available_kernel_sets() {
+    for set in engines() {
         for (n, case) in all_cases().iter().enumerate() {
             let len_q = 1 + n % 4;
             let (d_k, d_v) = [(64, 64), (128, 16), (16, 128), (17, 5)][n % 4];
@@ -578,7 +747,7 @@ fn decoding_against_a_long_cache_matches_the_reference() {
 #[test]
 fn decoding_never_lets_masked_nan_through() {
     let mut rng = Rng(10);
-    for set in available_kernel_sets() {
+    for set in engines() {
         let mut inputs = inputs(&mut rng, 2, 2, 2, 2, 1500, 16, 16, 1.0);
         // Padding keys past each item's length hold NaN and infinity.
         inputs.key_lengths = vec![1100, 700];
@@ -600,7 +769,7 @@ fn grouped_decoding_gives_each_row_the_bits_of_its_repeated_head() {
     // row must come out as it does with its key/value head repeated (one
     // query head per tile), whatever the options, to the bit.
     let mut rng = Rng(11);
-    for set in available_kernel_sets() {
+    for set in engines() {
         for (n, case) in all_cases().iter().enumerate() {
             let len_q = 1 + n % 3;
             let (d_k, d_v) = [(128, 128), (64, 16), (17, 5)][n % 3];
@@ -655,7 +824,7 @@ fn rows_on_or_off_vector_boundaries_give_the_same_bits() {
     // lie only when each starts on a vector boundary, and packs them into
     // an aligned buffer otherwise: the same sums either way.
     let mut rng = Rng(11);
-    for set in available_kernel_sets() {
+    for set in engines() {
         for (len, d) in [(70, 16), (130, 64), (67, 128)] {
             let dim = (1, 2, len, d);
             let (q, k, v) = (
