@@ -8,7 +8,8 @@
 //! ```
 //!
 //! `SETS=avx512` (a list of kernel set names) measures only those sets;
-//! `AMX=0` keeps native `bf16` off AMX tiles (`vdpbf16ps` only), and
+//! `AMX=0` keeps prefills off AMX tiles (native `bf16` on `vdpbf16ps`
+//! only, `f32` on the FMA kernels), and
 //! `BF16_DOT=0|1` forces `bf16` to convert or to read natively
 //! ([`sdpa::simd::with_amx`], [`sdpa::simd::with_bf16_dot`]).
 //! `DTYPE` is the input type, `f32` (the default), `bf16`, `f16`, or a
@@ -19,8 +20,10 @@
 //! ([`sdpa::simd::bf16_dot_peak`]), or where it runs on AMX tiles
 //! ([`sdpa::simd::amx_runs_on`]) of the `tdpbf16ps` peak
 //! ([`sdpa::simd::amx_bf16_peak`]), else of the FMA peak (the inputs are
-//! converted to `f32`, as `f16` inputs always are). The forward only (no
-//! `--backward`) for the half types.
+//! converted to `f32`, as `f16` inputs always are). An `f32` column reads
+//! as a fraction of the FMA peak even where its prefill splits the products
+//! onto AMX tiles ([`sdpa::simd::amx_runs_on`]: `d_k` ≥ 96), so it can
+//! pass 100% there. The forward only (no `--backward`) for the half types.
 //!
 //! FLOPs counted: `4·B·H·N²·d`, half of that for causal. With `--backward`,
 //! forward (with its log-sum-exp) plus backward, counted as 3.5 times the

@@ -32,6 +32,8 @@
 //! - `pack.rs`: the packed layouts the kernels read;
 //! - `pairs.rs`: a `bf16` call's keys and values packed as `bf16` pairs for
 //!   AVX-512 BF16, a key source for the same prefill driver;
+//! - `split.rs`: an `f32` call's keys and values split into three `bf16`
+//!   parts for AMX tiles, another key source for it (`f32` accuracy);
 //! - `scratch.rs`: aligned working buffers, kept per thread across calls
 //!   (a half-precision call's converted copies come from the same pool);
 //! - `backward.rs`: the gradients, on the same kernels.
