@@ -135,7 +135,8 @@ struct SplitKeys<'a> {
     width: usize,
     /// The head's keys in `f32`, for the scores the split cannot hold.
     f32_keys: CowArray<'a, f32, Ix2>,
-    /// The keys the split cannot hold ([`split_bound`]), in order.
+    /// The keys the split cannot hold ([`split_bound`]), in order; their
+    /// parts are zero.
     unsplit_keys: Vec<usize>,
     /// The head's values in `f32`, for the value rows the split cannot hold.
     f32_values: CowArray<'a, f32, Ix2>,
@@ -192,36 +193,26 @@ impl<'a> SplitKeys<'a> {
             let rows = t * KEY_TILE..((t + 1) * KEY_TILE).min(shape.len_kv);
             if d_k > 0 {
                 let tile = &keys[rows.start * d_k..rows.end * d_k];
-                let [hi, mid, lo] = split_parts(&mut parts, tile.len());
-                if amx.split(tile, bound, [&mut *hi, &mut *mid, &mut *lo]) {
-                    for (j, key) in rows.clone().zip(tile.chunks_exact(d_k)) {
-                        if !key.iter().all(|x| x.abs() < bound) {
-                            source.unsplit_keys.push(j);
-                        }
-                    }
-                }
-                for (part, packed) in [&*hi, &*mid, &*lo].into_iter().zip(&mut source.keys) {
+                let unsplit = &mut source.unsplit_keys;
+                let split = split_rows(amx, rows.start, tile, d_k, bound, &mut parts, unsplit);
+                for (part, packed) in split.into_iter().zip(&mut source.keys) {
                     let out = &mut packed[t * KEY_TILE * d_pairs..][..KEY_TILE * d_pairs];
                     amx.dot().pack_keys(part, d_k, out);
                 }
             }
             if d_v > 0 {
                 let tile = &values[rows.start * d_v..rows.end * d_v];
-                let [hi, mid, lo] = split_parts(&mut parts, tile.len());
-                if amx.split(tile, UNSPLIT_VALUE, [&mut *hi, &mut *mid, &mut *lo]) {
-                    // Such rows leave the tiles (their parts zero) for the
-                    // `f32` pass of `tile_values`.
-                    for (j, value) in rows.clone().zip(tile.chunks_exact(d_v)) {
-                        if !value.iter().all(|x| x.abs() < UNSPLIT_VALUE) {
-                            source.unsplit_values.push(j);
-                            let at = (j - rows.start) * d_v..(j - rows.start + 1) * d_v;
-                            for part in [&mut *hi, &mut *mid, &mut *lo] {
-                                part[at.clone()].fill(bf16::ZERO);
-                            }
-                        }
-                    }
-                }
-                for (part, packed) in [&*hi, &*mid, &*lo].into_iter().zip(&mut source.values) {
+                let unsplit = &mut source.unsplit_values;
+                let split = split_rows(
+                    amx,
+                    rows.start,
+                    tile,
+                    d_v,
+                    UNSPLIT_VALUE,
+                    &mut parts,
+                    unsplit,
+                );
+                for (part, packed) in split.into_iter().zip(&mut source.values) {
                     let out = &mut packed[t * KEY_TILE / 2 * width..][..KEY_TILE / 2 * width];
                     let mut nonfinite = [false];
                     amx.dot().pack_values(part, d_v, width, out, &mut nonfinite);
@@ -252,6 +243,34 @@ fn f32_rows<'a, KV: Load>(
     } else {
         CowArray::from(rows.as_standard_layout().into_owned())
     }
+}
+
+/// Splits the rows `x` (`[n][d]`, rows `first..first + n` of a head) into
+/// the first `n·d` numbers of each third of `parts`, and returns those.
+/// A row with a number of magnitude `bound` or more (or NaN) is noted in
+/// `unsplit` and its parts are zero: the tiles add nothing for it, and
+/// the caller computes what it touches in `f32`.
+fn split_rows<'p>(
+    amx: Amx,
+    first: usize,
+    x: &[f32],
+    d: usize,
+    bound: f32,
+    parts: &'p mut [bf16],
+    unsplit: &mut Vec<usize>,
+) -> [&'p [bf16]; 3] {
+    let [hi, mid, lo] = split_parts(parts, x.len());
+    if amx.split(x, bound, [&mut *hi, &mut *mid, &mut *lo]) {
+        for (r, row) in x.chunks_exact(d).enumerate() {
+            if !row.iter().all(|x| x.abs() < bound) {
+                unsplit.push(first + r);
+                for part in [&mut *hi, &mut *mid, &mut *lo] {
+                    part[r * d..(r + 1) * d].fill(bf16::ZERO);
+                }
+            }
+        }
+    }
+    [hi, mid, lo]
 }
 
 /// The first `len` numbers of each of the three parts kept in `parts`.

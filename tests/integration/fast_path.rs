@@ -337,6 +337,18 @@ fn split_tiles_match_the_reference_for_every_option() {
     }
 }
 
+/// The AVX-512 set with AMX tiles and without, where the CPU has them.
+fn tiles_and_fma() -> Option<(Engine, Engine)> {
+    let tiles = engines().into_iter().find(|engine| engine.amx)?;
+    Some((
+        tiles,
+        Engine {
+            amx: false,
+            ..tiles
+        },
+    ))
+}
+
 /// The output of a call on `engine` with no option but `scale`.
 fn plain(engine: Engine, inputs: &Inputs, scale: Option<f32>) -> Array4<f32> {
     let (q, k, v) = (to_f32(&inputs.q), to_f32(&inputs.k), to_f32(&inputs.v));
@@ -356,12 +368,8 @@ fn split_tiles_run_where_the_rule_says() {
     // another order than the FMA kernels (other bits, within f32
     // accuracy); one it does not (d_k = 64, or too few scores) gives the
     // same bits with the tiles allowed or not.
-    let Some(tiles) = engines().into_iter().find(|engine| engine.amx) else {
+    let Some((tiles, fma)) = tiles_and_fma() else {
         return;
-    };
-    let fma = Engine {
-        amx: false,
-        ..tiles
     };
     let mut rng = Rng(11);
     for (len, d_k, taken) in [
@@ -389,12 +397,8 @@ fn split_tiles_compute_what_they_cannot_split_in_f32() {
     // ≈ 8e17 at d_k = 128), a value past 2¹²⁷, an infinite key and a NaN
     // value, all seen by every row: NaN where the FMA kernels give NaN,
     // the same numbers elsewhere.
-    let Some(tiles) = engines().into_iter().find(|engine| engine.amx) else {
+    let Some((tiles, fma)) = tiles_and_fma() else {
         return;
-    };
-    let fma = Engine {
-        amx: false,
-        ..tiles
     };
     let mut rng = Rng(12);
     let mut inputs = inputs(&mut rng, 1, 1, 1, 520, 520, 128, 64, 1.0);
