@@ -80,11 +80,20 @@ impl Input {
     fn header(self, set: sdpa::simd::KernelSet) -> String {
         let against = "against sdpa::core in f64";
         match self {
-            Input::F32 => format!("sdpa f32 fused path, kernel set {set}, {against}"),
+            Input::F32 => {
+                // The (1024, 128) cells take the split tiles where they run.
+                let tiles = if sdpa::simd::amx_runs_on(set) {
+                    " (d = 128 on AMX tiles, split in three bf16 parts)"
+                } else {
+                    ""
+                };
+                format!("sdpa f32 fused path, kernel set {set}{tiles}, {against}")
+            }
             Input::Bf16 => {
-                let how = if sdpa::simd::amx_runs_on(set) {
+                let native = sdpa::simd::bf16_dot_runs_on(set);
+                let how = if native && sdpa::simd::amx_runs_on(set) {
                     "native AMX tdpbf16ps"
-                } else if sdpa::simd::bf16_dot_runs_on(set) {
+                } else if native {
                     "native vdpbf16ps"
                 } else {
                     "converted to f32"

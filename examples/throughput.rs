@@ -199,7 +199,11 @@ fn main() {
                 .map(move |(&set, &peak)| (t.as_str(), set, peak))
         })
         .map(|(t, set, peak)| match (t, tile_peak, dot_peak) {
-            ("bf16", Some(tiles), _) if with_bf16_choice(|| amx_runs_on(set)) => (t, set, tiles),
+            ("bf16", Some(tiles), _)
+                if with_bf16_choice(|| bf16_dot_runs_on(set) && amx_runs_on(set)) =>
+            {
+                (t, set, tiles)
+            }
             ("bf16", _, Some(dot)) if with_bf16_choice(|| bf16_dot_runs_on(set)) => (t, set, dot),
             _ => (t, set, peak),
         })

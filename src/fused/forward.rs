@@ -37,8 +37,7 @@ impl<KV: Load + Float, Q: Query, O: Output> WithKernel for Forward<'_, '_, KV, Q
         } = self;
         forward_or_decode(kernel, call, out, log_sum_exp, |kernel, call, out, lse| {
             #[cfg(all(target_arch = "x86_64", feature = "half"))]
-            if let Some(amx) = crate::simd::split_tiles().filter(|_| split::takes::<K, _, _>(call))
-            {
+            if let Some(amx) = split::tiles_for::<K, _, _>(call) {
                 return split::prefill(kernel, amx, call, out, lse);
             }
             prefill(kernel, call, out, lse)

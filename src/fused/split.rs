@@ -2,29 +2,34 @@
 //! weight split into three `bf16` parts (`simd/split.rs`), both products
 //! of every tile summed from the six partial products of order ≥ 2⁻¹⁶ on
 //! `tdpbf16ps`. That is `f32` accuracy (0.5–1.07 times the error of an
-//! `f32` FMA sum, measured) at up to 557 `f32`-equivalent GFLOP/s a core
-//! on an Emerald Rapids Xeon, whose FMAs peak at 247: on that CPU the
-//! FMA forward's softmax shares the FMAs' two ports, and no FMA forward
-//! can reach the speed this one does (`docs/PERFORMANCE.md`).
+//! `f32` FMA sum, measured), and on an Emerald Rapids Xeon, whose FMAs
+//! peak at 247 GFLOP/s a core and share their two ports with the softmax,
+//! it runs at up to 245 GFLOP/s at `d_k = 128` (275 at 256) where the FMA
+//! prefill stays near 205 (`docs/PERFORMANCE.md`).
 //!
 //! Everything else, jobs, tiles, masks, modifiers, softmax, log-sum-exp
 //! and sinks, is the `f32` prefill's (`forward.rs`, `tile.rs`): this file
 //! is a [`TileSource`] with its packing, like `pairs.rs` for `bf16`.
 //!
 //! What a split cannot hold is computed in `f32` from the caller's rows,
-//! element by element, so that results mean what the `f32` path's mean:
+//! element by element, so that results mean what the `f32` path's mean
+//! (but where a score overflows: the queries carry the scale here, the
+//! keys there):
 //! - a query row (scaled) or a key with a NaN, an infinity, or a magnitude
 //!   of [`split_bound`] or more (whose products might overflow where the
 //!   `f32` path's would not, or whose `hi` part rounds past `bf16`'s
-//!   range) has its scores computed so, a row or a key column at a time:
-//!   a tile's products never mix rows or keys, so no other score's bits
-//!   depend on it;
-//! - a value tile with NaN or an infinity in its `hi` parts (a NaN or an
-//!   infinite value, or one past `bf16`'s range) runs `P·V` on the `f32`
-//!   kernel that skips zero weights, from an `f32` copy of its rows.
+//!   range) has its scores computed so, a row or a key column at a time;
+//! - a value row with a NaN, an infinity or a magnitude of
+//!   [`UNSPLIT_VALUE`] or more is added in `f32`, skipping zero weights.
 //!
-//! Which path a call takes depends on the CPU, the kernel set and the head
-//! dims (`d_k` a multiple of 32), never on the data nor the thread count.
+//! Unsplit keys and value rows have zero parts, so the tiles add nothing
+//! for them, and a tile's products never mix rows or keys, so no other
+//! score's or output's bits depend on them.
+//!
+//! Which path a call takes ([`tiles_for`]) depends on the CPU, the kernel
+//! set, `with_amx`, the keys' type, the head dims and how many scores a
+//! head has unmasked (the shape and options), never on the data nor the
+//! thread count.
 
 use half::bf16;
 use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4, CowArray, Ix2};
@@ -36,7 +41,7 @@ use super::{KEY_TILE, LONG_QUERY_TILE, Output, Query, forward_query_tile, visibl
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
-use crate::simd::{Amx, Kernel, Load, PAIR_KEYS};
+use crate::simd::{Amx, Kernel, Load, PAIR_KEYS, amx_override};
 
 const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
 
@@ -92,34 +97,42 @@ pub(super) fn prefill<K: Kernel, KV: Load + num_traits::Float + Sync, Q: Query, 
     })
 }
 
-/// The smallest `d_k` this prefill takes. Measured on an Emerald Rapids
-/// Xeon (one thread, H = 8, against the FMA prefill, N = 512 to 2048):
-/// `d_k = 128` 13–17% faster, 96 5–13%, 64 level or 3% slower (at N =
-/// 256 10% slower): the tiles' fixed costs (a block's 4 output tiles
-/// loaded, stored and waited for; the query, key and value splits) are
-/// paid per `d_k/32` steps of a sum, and 2 steps are too few. Only CPUs
-/// with AMX run it, so the constant is theirs.
+/// The smallest `d_k` this prefill takes by default. Measured on an
+/// Emerald Rapids Xeon (one thread, H = 8, against the FMA prefill, N =
+/// 512 to 2048): `d_k = 128` 11–18% faster (causal 8–13%), 96 7–14%, 64
+/// level or up to 3% slower (at N = 256 10% slower): the tiles' fixed
+/// costs (a block's 4 output tiles loaded, stored and waited for; the
+/// query, key and value splits) are paid per `d_k/32` steps of a sum, and
+/// 2 steps are too few. Only CPUs with AMX run it, so the constant is
+/// theirs.
 const MIN_D_K: usize = 96;
 
 /// The fewest unmasked scores per head ([`visible_scores`]) this prefill
-/// takes: at N = 256 (65 536 scores, or 32 896 causal) it measured level
-/// with the FMA prefill or up to 3% slower at `d_k` 96 and 128, at N = 512
-/// causal (131 328) 8–9% faster: below that the split of each head's keys
-/// and values, `len_kv·(d_k + d_v)` numbers, is not paid back.
+/// takes by default: at N = 256 (65 536 scores, or 32 896 causal) it
+/// measured level with the FMA prefill or up to 3% slower at `d_k` 96 and
+/// 128, at N = 512 causal (131 328) 7–9% faster: below that the split of
+/// each head's keys and values, `len_kv·(d_k + d_v)` numbers, is not paid
+/// back.
 const MIN_SCORES: usize = 1 << 17;
 
-/// Whether this prefill takes the call: the AVX-512 set's kernel (`K`),
-/// `f32` keys and values, a `d_k` the tiles take of at least
-/// [`MIN_D_K`], and at least [`MIN_SCORES`] scores a head. Chosen by the
-/// CPU, the shape and the options only, never the data or the thread
-/// count.
-pub(super) fn takes<K: Kernel, KV: Load, Q>(call: &Call<'_, f32, KV, Q>) -> bool {
-    K::LANES == LANES
-        && Amx::takes(call.shape.d_k)
-        && call.shape.d_k >= MIN_D_K
-        && call.shape.len_kv > 0
+/// The AMX tiles for this call, if the prefill takes it: the AVX-512 set's
+/// kernel (`K`), `f32` keys and values, `d_k` a multiple of 32, tiles the
+/// CPU and OS allow and `with_amx` does not turn off; and, unless
+/// `with_amx(true, ..)` forces the tiles, `d_k` at least [`MIN_D_K`] and at
+/// least [`MIN_SCORES`] scores a head. The cheap checks come first: the
+/// tiles are asked of the OS only for a call that would use them.
+pub(super) fn tiles_for<K: Kernel, KV: Load, Q>(call: &Call<'_, f32, KV, Q>) -> Option<Amx> {
+    let forced = match amx_override() {
+        Some(false) => return None,
+        forced => forced == Some(true),
+    };
+    let shape = call.shape;
+    let takes = K::LANES == LANES
+        && Amx::takes(shape.d_k)
+        && shape.len_kv > 0
         && KV::as_f32(head(&call.k, 0, 0)).is_some()
-        && visible_scores(call) >= MIN_SCORES
+        && (forced || (shape.d_k >= MIN_D_K && visible_scores(call) >= MIN_SCORES));
+    takes.then(Amx::new).flatten()
 }
 
 /// One head's keys and values as three `bf16` parts each, in the packed
@@ -191,14 +204,13 @@ impl<'a> SplitKeys<'a> {
         let values = source.f32_values.as_slice().expect("standard layout");
         for t in 0..tiles {
             let rows = t * KEY_TILE..((t + 1) * KEY_TILE).min(shape.len_kv);
-            if d_k > 0 {
-                let tile = &keys[rows.start * d_k..rows.end * d_k];
-                let unsplit = &mut source.unsplit_keys;
-                let split = split_rows(amx, rows.start, tile, d_k, bound, &mut parts, unsplit);
-                for (part, packed) in split.into_iter().zip(&mut source.keys) {
-                    let out = &mut packed[t * KEY_TILE * d_pairs..][..KEY_TILE * d_pairs];
-                    amx.dot().pack_keys(part, d_k, out);
-                }
+            // `d_k` is a positive multiple of 32 (`tiles_for`).
+            let tile = &keys[rows.start * d_k..rows.end * d_k];
+            let unsplit = &mut source.unsplit_keys;
+            let split = split_rows(amx, rows.start, tile, d_k, bound, &mut parts, unsplit);
+            for (part, packed) in split.into_iter().zip(&mut source.keys) {
+                let out = &mut packed[t * KEY_TILE * d_pairs..][..KEY_TILE * d_pairs];
+                amx.dot().pack_keys(part, d_k, out);
             }
             if d_v > 0 {
                 let tile = &values[rows.start * d_v..rows.end * d_v];
@@ -305,17 +317,11 @@ impl TileSource for SplitKeys<'_> {
 
     fn split_queries(&self, q: &[f32], d_k: usize, parts: &mut [u32], unsplit: &mut [bool]) {
         let bound = split_bound(d_k);
-        let rows = q.len() / d_k;
         let d_pairs = d_k / 2;
         let part_len = parts.len() / 3;
         let (hi, rest) = parts.split_at_mut(part_len);
         let (mid, lo) = rest.split_at_mut(part_len);
-        for (r, (row, flag)) in q
-            .chunks_exact(d_k)
-            .zip(unsplit.iter_mut())
-            .enumerate()
-            .take(rows)
-        {
+        for (r, (row, flag)) in q.chunks_exact(d_k).zip(unsplit.iter_mut()).enumerate() {
             let at = r * d_pairs..(r + 1) * d_pairs;
             *flag = self.amx.split_pairs(
                 row,

@@ -262,11 +262,11 @@ pub(crate) struct TileQueries<'q> {
     /// pairs, one after the other, filled only for a source with
     /// [`TileSource::SPLIT_QUERIES`] (by its
     /// [`split_queries`](TileSource::split_queries)).
-    #[cfg_attr(not(feature = "half"), allow(dead_code))]
+    #[cfg_attr(not(all(target_arch = "x86_64", feature = "half")), allow(dead_code))]
     pub(crate) split: &'q [u32],
     /// Per computed row, whether its split cannot be used (see
     /// [`TileSource::split_queries`]).
-    #[cfg_attr(not(feature = "half"), allow(dead_code))]
+    #[cfg_attr(not(all(target_arch = "x86_64", feature = "half")), allow(dead_code))]
     pub(crate) unsplit: &'q [bool],
     pub(crate) d_k: usize,
     /// The factor a source that applies the scale to the scores applies:
@@ -306,8 +306,8 @@ pub(crate) trait TileSource {
     /// Rows the scores kernel computes for a tile of `rows` real rows.
     fn computed_rows<K: Kernel>(rows: usize) -> usize;
 
-    /// The largest `|k|` of the source's keys (NaN ignored), or `+inf` when
-    /// not known.
+    /// A bound on the magnitude of the source's keys (NaN ignored), or
+    /// `+inf` when not known.
     fn max_abs_key(&self) -> f32;
 
     /// `S = scale·q·K_tᵀ` for the key tile starting at `j0`, into `scores`
@@ -471,6 +471,8 @@ impl QueryTile {
         let rows = S::computed_rows::<K>(at.rows);
         let in_place = self.load_queries::<K, S, KV, Q>(kernel, call, at, rows);
         if S::SPLIT_QUERIES {
+            // The split reads the copied, scaled rows.
+            const { assert!(!(S::SPLIT_QUERIES && S::SCALED_KEYS)) };
             let q = &self.q[..rows * d_k];
             source.split_queries(q, d_k, &mut self.q_split, &mut self.unsplit);
         }

@@ -90,6 +90,11 @@ impl Amx {
     pub(crate) fn new() -> Option<Self> {
         static GRANTED: OnceLock<bool> = OnceLock::new();
         let dot = Bf16Dot::new()?;
+        // The split (`split.rs`) and the weights' stores use 256-bit
+        // AVX-512 forms: every AMX CPU has VL, but a VM may hide it.
+        if !std::arch::is_x86_feature_detected!("avx512vl") {
+            return None;
+        }
         GRANTED.get_or_init(request_tiles).then_some(Self { dot })
     }
 
@@ -211,7 +216,7 @@ impl Amx {
     /// alpha[r]·o[r] + Σ_j p[r][j]·v[j]` from the [`SPLIT_PRODUCTS`], the
     /// weights split here, the values' parts packed as `accumulate_values`
     /// takes its one. Never skips zero weights: the caller keeps value
-    /// tiles with NaN or an infinity away.
+    /// rows with NaN or an infinity out of the parts (zero there).
     ///
     /// # Panics
     /// When a size does not fit (a bug in the driver, never bad user input).
@@ -500,6 +505,7 @@ unsafe fn values_tiles<const PARTS: usize>(
     #[repr(C, align(64))]
     struct Weights<const PARTS: usize>([[[u32; PAIR_KEYS / 2]; WEIGHT_ROWS]; PARTS]);
 
+    const { assert!(PARTS == 1 || PARTS == 3, "one part, or a three-way split") };
     let products: &[(usize, usize)] = if PARTS == 1 {
         &[(0, 0)]
     } else {
@@ -514,7 +520,7 @@ unsafe fn values_tiles<const PARTS: usize>(
     // vector stores to them (a tile load right behind them waits for
     // them: measured, `f32` split, d = 64, the first product of a chunk
     // took a fifth of the kernel's time).
-    // Left uninitialised (zeroing them cost more than 1% of a call): the
+    // Left uninitialised (zeroing them cost about 1% of a call): the
     // tiles read only the rows `prepare` wrote.
     let mut weights = [const { MaybeUninit::<Weights<PARTS>>::uninit() }; 2];
     let sets: [[*mut u32; PARTS]; 2] = [0, 1].map(|n| {

@@ -86,7 +86,8 @@ mod neon;
 mod pair_kernels;
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
 mod pair_pack;
-#[cfg(all(target_arch = "x86_64", feature = "half"))]
+#[cfg(target_arch = "x86_64")]
+#[cfg_attr(not(feature = "half"), allow(dead_code))]
 mod split;
 
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
@@ -245,16 +246,19 @@ pub fn bf16_dot_runs_on(set: KernelSet) -> bool {
 ///   multiple of 32 run both products there. Value tiles that hold NaN or
 ///   an infinity still run on `vdpbf16ps`, which skips zero weights.
 /// - `f32` forward prefills with `d_k` a multiple of 32 and at least 96,
-///   and at least 2¹⁷ unmasked scores a head, split every query, key,
+///   and at least 2¹⁷ unmasked scores a head (where the tiles pay; any
+///   multiple of 32 under `with_amx(true, ..)`), split every query, key,
 ///   value and weight into three `bf16` parts (`x = hi + mid + lo`) and sum
 ///   the six partial products of order ≥ 2⁻¹⁶: `f32` accuracy (measured:
-///   0.5–1.07 times the error of an `f32` FMA sum), 13–20% faster than the
-///   FMA kernels on an Emerald Rapids Xeon at `d_k = 128`. Numbers the
-///   split cannot hold (NaN, infinities, magnitudes past
-///   `√(f32::MAX/(4·d_k))`, values past 2¹²⁷) are computed in `f32`, so
-///   results mean what the FMA kernels' do; their bits differ from them
-///   (another order of the sums), never with the thread count.
-///   Decoding steps and the backward run the FMA kernels.
+///   0.5–1.07 times the error of an `f32` FMA sum), on an Emerald Rapids
+///   Xeon 11–18% faster than the FMA kernels at `d_k = 128` and N =
+///   512–2048 (causal 8–13%), about 20% at 4096. Numbers the split cannot
+///   hold (NaN, infinities, magnitudes past `√(f32::MAX/(4·d_k))`, values
+///   past 2¹²⁷) are computed in `f32`, so results mean what the FMA
+///   kernels' do (but for scores that overflow: the queries carry the
+///   scale here, the keys there); their bits differ from them (another
+///   order of the sums), never with the thread count. Decoding steps and
+///   the backward run the FMA kernels.
 ///
 /// ```
 /// use sdpa::simd::{KernelSet, amx_runs_on};
@@ -262,7 +266,7 @@ pub fn bf16_dot_runs_on(set: KernelSet) -> bool {
 /// ```
 pub fn amx_runs_on(set: KernelSet) -> bool {
     #[cfg(all(target_arch = "x86_64", feature = "half"))]
-    let tiles = pair_kernels(set, 64).is_some_and(PairKernels::on_tiles);
+    let tiles = set == KernelSet::Avx512 && amx_override() != Some(false) && Amx::new().is_some();
     #[cfg(not(all(target_arch = "x86_64", feature = "half")))]
     let tiles = {
         let _ = set;
@@ -287,16 +291,12 @@ pub(crate) fn pair_kernels(set: KernelSet, d_k: usize) -> Option<PairKernels> {
     native.then(|| tiles.map_or(PairKernels::Dot(dot), PairKernels::Tiles))
 }
 
-/// The AMX tiles an `f32` prefill on the AVX-512 set splits its products
-/// onto (`fused/split.rs`): where the CPU and OS allow them (as for
-/// [`amx_runs_on`]) and [`with_amx`] has not turned them off.
+/// What [`with_amx`] set on this thread, if anything: `Some(false)` keeps
+/// prefills off AMX tiles, `Some(true)` puts `f32` ones on them wherever
+/// they can run (not only where they pay), `None` leaves it to the rules.
 #[cfg(all(target_arch = "x86_64", feature = "half"))]
-pub(crate) fn split_tiles() -> Option<Amx> {
-    FORCED_AMX
-        .with(Cell::get)
-        .unwrap_or(true)
-        .then(Amx::new)
-        .flatten()
+pub(crate) fn amx_override() -> Option<bool> {
+    FORCED_AMX.with(Cell::get)
 }
 
 /// Runs `f` with the `bf16` forward calls it makes on this thread reading
@@ -316,11 +316,14 @@ pub fn with_bf16_dot<R>(native: bool, f: impl FnOnce() -> R) -> R {
     with_forced(&FORCED_BF16_DOT, native, f)
 }
 
-/// Runs `f` with the prefills it makes on this thread using AMX tiles
-/// where they can ([`amx_runs_on`]; `enabled`, the default) or not
-/// (`!enabled`: native `bf16` on `vdpbf16ps` only, `f32` on the FMA
-/// kernels): for tests and benchmarks that compare the two. Restored when
-/// `f` returns or panics; calls nest.
+/// Runs `f` with the prefills it makes on this thread on AMX tiles
+/// ([`amx_runs_on`]) or not: for tests and benchmarks that compare the
+/// two. `enabled` puts native `bf16` prefills on the tiles where they take
+/// the head dim (as by default) and `f32` prefills wherever the tiles can
+/// run them (`d_k` a multiple of 32), also where the rule that decides by
+/// default says they do not pay; `!enabled` keeps native `bf16` on
+/// `vdpbf16ps` only and `f32` on the FMA kernels. Restored when `f`
+/// returns or panics; calls nest.
 ///
 /// ```
 /// use sdpa::simd::{KernelSet, amx_runs_on, with_amx};

@@ -8,8 +8,9 @@
 //! `|lo| ≤ 2⁻¹⁶|x|`, and for a normal `x` whose parts are normal the three
 //! add up to `x` exactly (24 significant bits in three of 8). A product
 //! `a·b` is then summed from the six partial products of order ≥ 2⁻¹⁶
-//! ([`SPLIT_PRODUCTS`]); the three left out are below 2⁻²³·|a·b|
-//! together, under `f32`'s rounding of the sum. Measured over 256 000 dot
+//! ([`SPLIT_PRODUCTS`]); the three left out are at most about
+//! 2⁻²³·|a·b| together (`2·2⁻⁸·2⁻¹⁶ + 2⁻³²`), at `f32`'s rounding of the
+//! sum. Measured over 256 000 dot
 //! products of length 64 and 128 (`docs/experiments/amx_split`): 0.5–1.07
 //! times the error of a sequential `f32` FMA sum, relative to `Σ|aᵢbᵢ|`.
 //!
@@ -23,6 +24,7 @@
 
 use std::arch::x86_64::*;
 
+#[cfg(feature = "half")]
 use half::bf16;
 
 use super::amx::Amx;
@@ -43,6 +45,7 @@ impl Amx {
     ///
     /// # Panics
     /// When a part's length is not `x.len()` (a bug in the driver).
+    #[cfg(feature = "half")]
     pub(crate) fn split(self, x: &[f32], bound: f32, parts: [&mut [bf16]; 3]) -> bool {
         assert!(parts.iter().all(|part| part.len() == x.len()));
         // SAFETY: `self` exists, so the CPU has AVX-512F, BW, VL and BF16
@@ -122,7 +125,7 @@ fn widen(x: __m256i) -> __m512 {
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(x)))
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "half"))]
 mod tests {
     use super::*;
 

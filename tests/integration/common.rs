@@ -7,7 +7,65 @@
 
 use ndarray::{Array, Array4, ArrayView4, Dimension, ShapeBuilder};
 use proptest::prelude::*;
+use sdpa::simd::KernelSet;
 use sdpa::{AttentionOptions, CausalAlignment, Element};
+
+/// A kernel set, and what [`sdpa::simd::with_amx`] says on the calling
+/// thread: `Some(true)` puts `f32` prefills on AMX tiles wherever they
+/// can run (`d_k` a multiple of 32), `Some(false)` keeps them off, `None`
+/// leaves it to the rule (tiles where they pay).
+#[derive(Clone, Copy, Debug)]
+pub struct Engine {
+    pub set: KernelSet,
+    pub amx: Option<bool>,
+}
+
+impl std::fmt::Display for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let amx = match self.amx {
+            Some(true) => "+amx",
+            Some(false) => "-amx",
+            None => "",
+        };
+        write!(f, "{}{amx}", self.set)
+    }
+}
+
+impl From<KernelSet> for Engine {
+    fn from(set: KernelSet) -> Self {
+        Engine { set, amx: None }
+    }
+}
+
+impl Engine {
+    /// `f` with every call it makes on this thread on this engine.
+    pub fn run<R>(self, f: impl FnOnce() -> R) -> Result<R, sdpa::AttentionError> {
+        sdpa::simd::with_kernel_set(self.set, || match self.amx {
+            Some(enabled) => sdpa::simd::with_amx(enabled, f),
+            None => f(),
+        })
+    }
+}
+
+/// Every engine this CPU has: each kernel set as chosen by default, and
+/// on a CPU with AMX the AVX-512 set with the tiles forced on and off.
+pub fn engines() -> Vec<Engine> {
+    let mut engines = Vec::new();
+    for set in sdpa::simd::available_kernel_sets() {
+        engines.push(Engine { set, amx: None });
+        if sdpa::simd::amx_runs_on(set) {
+            engines.push(Engine {
+                set,
+                amx: Some(true),
+            });
+            engines.push(Engine {
+                set,
+                amx: Some(false),
+            });
+        }
+    }
+    engines
+}
 
 /// A column-major array of NaN: a caller's buffer that an `_into` call
 /// must overwrite entry by entry, whatever its layout.

@@ -1,42 +1,14 @@
 //! Every kernel set this CPU has, against the f64 reference (`sdpa::core`),
 //! on odd shapes, edges, every option combination and misaligned views.
 
+use crate::common::{Engine, engines};
 use ndarray::{Array4, ArrayView4, Axis, s};
 use sdpa::simd::{KernelSet, available_kernel_sets};
 use sdpa::{AttentionOptions, CausalAlignment};
 
-/// A kernel set, and whether its prefills may use AMX tiles: on a CPU with
-/// AMX, `f32` prefills of `d_k` ≥ 96 split their products onto the tiles
-/// (`avx512+amx`) unless turned off (`avx512`), so both are tested.
-#[derive(Clone, Copy, Debug)]
-struct Engine {
-    set: KernelSet,
-    amx: bool,
-}
-
-impl std::fmt::Display for Engine {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}{}", self.set, if self.amx { "+amx" } else { "" })
-    }
-}
-
-/// Every engine this CPU has: each kernel set without AMX tiles, and the
-/// sets that can use them with.
-fn engines() -> Vec<Engine> {
-    let mut engines = Vec::new();
-    for set in available_kernel_sets() {
-        engines.push(Engine { set, amx: false });
-        if sdpa::simd::amx_runs_on(set) {
-            engines.push(Engine { set, amx: true });
-        }
-    }
-    engines
-}
-
 /// `f` with every `f32` call on this thread running on `engine`.
 fn on<R>(engine: Engine, f: impl FnOnce() -> R) -> R {
-    sdpa::simd::with_kernel_set(engine.set, || sdpa::simd::with_amx(engine.amx, f))
-        .expect("an available kernel set")
+    engine.run(f).expect("an available kernel set")
 }
 
 /// Deterministic uniform numbers in [-1, 1) (SplitMix64).
@@ -337,16 +309,17 @@ fn split_tiles_match_the_reference_for_every_option() {
     }
 }
 
-/// The AVX-512 set with AMX tiles and without, where the CPU has them.
+/// The AVX-512 set with AMX tiles forced on and off, where the CPU has
+/// them.
 fn tiles_and_fma() -> Option<(Engine, Engine)> {
-    let tiles = engines().into_iter().find(|engine| engine.amx)?;
-    Some((
-        tiles,
-        Engine {
-            amx: false,
-            ..tiles
-        },
-    ))
+    let tiles = engines()
+        .into_iter()
+        .find(|engine| engine.amx == Some(true))?;
+    let fma = Engine {
+        amx: Some(false),
+        ..tiles
+    };
+    Some((tiles, fma))
 }
 
 /// The output of a call on `engine` with no option but `scale`.
@@ -367,9 +340,13 @@ fn split_tiles_run_where_the_rule_says() {
     // Where the CPU has AMX, a call the rule gives the tiles sums in
     // another order than the FMA kernels (other bits, within f32
     // accuracy); one it does not (d_k = 64, or too few scores) gives the
-    // same bits with the tiles allowed or not.
-    let Some((tiles, fma)) = tiles_and_fma() else {
+    // same bits by default as with the tiles off.
+    let Some((forced, fma)) = tiles_and_fma() else {
         return;
+    };
+    let tiles = Engine {
+        amx: None,
+        ..forced
     };
     let mut rng = Rng(11);
     for (len, d_k, taken) in [

@@ -33,7 +33,7 @@ pub(super) fn forward_case(case: &Case, report: &mut CaseReport) {
 
     let mut outcomes: Vec<(String, Result<Option<ErrorKind>, String>)> = Vec::new();
     let mut results32: Vec<(String, Array4<f32>, Option<Array3<f32>>)> = Vec::new();
-    for set in available_kernel_sets() {
+    for set in engines() {
         let plain = guarded(|| forced(set, || sdpa::scaled_dot_product_attention(q, k, v, &o32)));
         let partial = guarded(|| {
             forced(set, || {

@@ -30,12 +30,12 @@ use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use ndarray::{Array3, Array4, ArrayView3, ArrayView4, ArrayViewMut4, Axis, Slice, s};
-use sdpa::simd::{KernelSet, available_kernel_sets, with_kernel_set};
+use sdpa::simd::available_kernel_sets;
 use sdpa::{
     AttentionError, AttentionOptions, AttentionPartial, CausalAlignment, Element, ErrorKind,
 };
 
-use crate::common::{Rng, cast};
+use crate::common::{Engine, Rng, cast, engines};
 
 mod backward;
 mod case;

@@ -37,7 +37,7 @@ pub(super) fn poison_case(case: &Case, report: &mut CaseReport) {
     let (clean32, dirty32) = (Data::<f32>::new(case), Data::<f32>::new(&poisoned));
     let (clean64, dirty64) = (Data::<f64>::new(case), Data::<f64>::new(&poisoned));
     let conditioning = Conditioning::of(case);
-    for set in available_kernel_sets() {
+    for set in engines() {
         let run = |data: &Data<f32>| {
             let (q, k, v) = data.qkv();
             guarded(|| {

@@ -176,12 +176,13 @@ pub(super) fn outcome<T>(called: &Called<T>) -> Result<Option<ErrorKind>, String
     }
 }
 
-/// Runs `f` with kernel set `set` forced on this thread.
+/// Runs `f` with kernel set `set` (and its AMX choice, for an [`Engine`])
+/// forced on this thread.
 pub(super) fn forced<R>(
-    set: KernelSet,
+    set: impl Into<Engine>,
     f: impl FnOnce() -> Result<R, AttentionError>,
 ) -> Result<R, AttentionError> {
-    with_kernel_set(set, f).and_then(|r| r)
+    set.into().run(f).and_then(|r| r)
 }
 
 pub(super) fn pick<T: Copy>(rng: &mut Rng, items: &[T]) -> T {
