@@ -287,10 +287,22 @@ fn split_rows<'p>(
 
 /// The first `len` numbers of each of the three parts kept in `parts`.
 fn split_parts(parts: &mut [bf16], len: usize) -> [&mut [bf16]; 3] {
-    let third = parts.len() / 3;
-    let (hi, rest) = parts.split_at_mut(third);
-    let (mid, lo) = rest.split_at_mut(third);
-    [&mut hi[..len], &mut mid[..len], &mut lo[..len]]
+    thirds_mut(parts).map(|part| &mut part[..len])
+}
+
+/// A split buffer holds its three parts (`hi`, `mid`, `lo`) one after
+/// another, each a third of it.
+fn thirds<T>(parts: &[T]) -> [&[T]; 3] {
+    let (hi, rest) = parts.split_at(parts.len() / 3);
+    let (mid, lo) = rest.split_at(hi.len());
+    [hi, mid, lo]
+}
+
+/// [`thirds`], to write.
+fn thirds_mut<T>(parts: &mut [T]) -> [&mut [T]; 3] {
+    let (hi, rest) = parts.split_at_mut(parts.len() / 3);
+    let (mid, lo) = rest.split_at_mut(hi.len());
+    [hi, mid, lo]
 }
 
 /// `Σ q[x]·k[x]` in `f32`, for the scores the split cannot hold.
@@ -318,9 +330,7 @@ impl TileSource for SplitKeys<'_> {
     fn split_queries(&self, q: &[f32], d_k: usize, parts: &mut [u32], unsplit: &mut [bool]) {
         let bound = split_bound(d_k);
         let d_pairs = d_k / 2;
-        let part_len = parts.len() / 3;
-        let (hi, rest) = parts.split_at_mut(part_len);
-        let (mid, lo) = rest.split_at_mut(part_len);
+        let [hi, mid, lo] = thirds_mut(parts);
         for (r, (row, flag)) in q.chunks_exact(d_k).zip(unsplit.iter_mut()).enumerate() {
             let at = r * d_pairs..(r + 1) * d_pairs;
             *flag = self.amx.split_pairs(
@@ -334,8 +344,7 @@ impl TileSource for SplitKeys<'_> {
     fn tile_scores<K: Kernel>(&self, _: K, q: &TileQueries<'_>, j0: usize, scores: &mut [f32]) {
         let d_k = q.d_k;
         let rows = scores.len() / KEY_TILE;
-        let part_len = q.split.len() / 3;
-        let q_parts = [0, 1, 2].map(|a| &q.split[a * part_len..][..rows * self.d_pairs]);
+        let q_parts = thirds(q.split).map(|part| &part[..rows * self.d_pairs]);
         // The queries carry the scale.
         self.amx.split_scores(
             q_parts,
