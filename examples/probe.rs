@@ -25,6 +25,9 @@
 //! (`half` feature); `DTYPE=bf16-by-hand` converts them to `f32` first,
 //! calls the `f32` path and rounds the output back, the bar a half call
 //! must meet on a CPU without native BF16.
+//! `AMX=1` forces prefills onto AMX tiles wherever they can run (`f32`
+//! by the three-way split too), `AMX=0` keeps them off
+//! ([`sdpa::simd::with_amx`]).
 //! Valgrind has no AVX-512: force `SDPA_KERNEL=avx2` (or `scalar`) under it.
 
 use ndarray::{Array3, Array4};
@@ -129,10 +132,10 @@ fn main() {
     let opts = AttentionOptions::new();
     let opts = if causal { opts.causal() } else { opts };
     let opts = with_modifier(opts, modifier, &slopes, &sinks);
-    #[cfg(feature = "half")]
-    let inputs = [&q, &k, &v];
     let dtype = std::env::var("DTYPE").unwrap_or_else(|_| "f32".into());
-    let checksum = match dtype.as_str() {
+    #[cfg(feature = "half")]
+    let inputs = [&q, &k, &v].map(|x| x.clone());
+    let calls_on_inputs = || match dtype.as_str() {
         "f32" => run([q, k, v], &opts, backward, calls),
         #[cfg(feature = "half")]
         "bf16" => run(
@@ -155,6 +158,10 @@ fn main() {
             calls,
         ),
         other => panic!("DTYPE {other}: f32, bf16, f16 or bf16-by-hand (with the half feature)"),
+    };
+    let checksum = match std::env::var("AMX") {
+        Ok(amx) => sdpa::simd::with_amx(amx != "0", calls_on_inputs),
+        Err(_) => calls_on_inputs(),
     };
     let work = if decode {
         "decode"

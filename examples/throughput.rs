@@ -22,7 +22,7 @@
 //! ([`sdpa::simd::amx_bf16_peak`]), else of the FMA peak (the inputs are
 //! converted to `f32`, as `f16` inputs always are). An `f32` column reads
 //! as a fraction of the FMA peak even where its prefill splits the products
-//! onto AMX tiles ([`sdpa::simd::amx_runs_on`]: `d_k` ≥ 96), so it can
+//! onto AMX tiles ([`sdpa::simd::amx_runs_on`]: `d_k` ≥ 64), so it can
 //! pass 100% there. The forward only (no `--backward`) for the half types.
 //!
 //! FLOPs counted: `4·B·H·N²·d`, half of that for causal. With `--backward`,

@@ -45,13 +45,21 @@ use crate::simd::{Amx, Kernel, Load, PAIR_KEYS, amx_override};
 
 const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
 
-/// Query rows per work item, causal or not, unless the keys and values
+/// Query rows per work item of a causal call, unless the keys and values
 /// stream from beyond L2 ([`LONG_QUERY_TILE`]): whole blocks of 32 rows.
 /// Measured on an Emerald Rapids Xeon (one thread, `d_k = 128`, tiles of
 /// 64, 96, 128 and 192 rows, two rounds): 64 rows fastest at N = 512 and
-/// 1024, by 1–3% bidirectional and 5–11% causal; at N = 4096 the long tile
-/// (192) by 10% bidirectional and 6% causal.
-const QUERY_TILE: usize = 64;
+/// 1024 causal, by 5–11%; at N = 4096 the long tile (192) by 6%.
+const CAUSAL_QUERY_TILE: usize = 64;
+
+/// [`CAUSAL_QUERY_TILE`] for the other calls. Taller than it because each
+/// chunk of 32 rows after the first has its weights split while the
+/// chunk before it is on the tiles: with 96 rows two chunks of three
+/// overlap so, against one of two (measured, as above, `d_k` 64 and 128,
+/// N = 512–2048: 2–4% faster than 64 rows; causal 3–8% slower, the
+/// diagonal's waste); the long tile (192) 10% faster than 64 rows where
+/// it is chosen.
+const QUERY_TILE: usize = 96;
 
 /// Bytes of one number of the packed keys and values: three `bf16`.
 const PACKED_BYTES: usize = 3 * size_of::<bf16>();
@@ -86,10 +94,10 @@ pub(super) fn prefill<K: Kernel, KV: Load + num_traits::Float + Sync, Q: Query, 
     out: ArrayViewMut4<'_, O>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
-    // Streamed keys and values: the long tile, as the FMA prefill; else
-    // 64 rows, causal or not.
+    // Streamed keys and values: the long tile, as the FMA prefill.
     let query_tile = match forward_query_tile(call, PACKED_BYTES) {
         LONG_QUERY_TILE => LONG_QUERY_TILE,
+        _ if call.opts.causal.is_some() => CAUSAL_QUERY_TILE,
         _ => QUERY_TILE,
     };
     prefill_with(kernel, call, query_tile, out, log_sum_exp, |b, kv_h| {
@@ -97,29 +105,30 @@ pub(super) fn prefill<K: Kernel, KV: Load + num_traits::Float + Sync, Q: Query, 
     })
 }
 
-/// The smallest `d_k` this prefill takes by default. Measured on an
-/// Emerald Rapids Xeon (one thread, H = 8, against the FMA prefill, N =
-/// 512 to 2048): `d_k = 128` 11–18% faster (causal 8–13%), 96 7–14%, 64
-/// level or up to 3% slower (at N = 256 10% slower): the tiles' fixed
-/// costs (a block's 4 output tiles loaded, stored and waited for; the
-/// query, key and value splits) are paid per `d_k/32` steps of a sum, and
-/// 2 steps are too few. Only CPUs with AMX run it, so the constant is
-/// theirs.
-const MIN_D_K: usize = 96;
-
 /// The fewest unmasked scores per head ([`visible_scores`]) this prefill
-/// takes by default: at N = 256 (65 536 scores, or 32 896 causal) it
-/// measured level with the FMA prefill or up to 3% slower at `d_k` 96 and
-/// 128, at N = 512 causal (131 328) 7–9% faster: below that the split of
-/// each head's keys and values, `len_kv·(d_k + d_v)` numbers, is not paid
-/// back.
-const MIN_SCORES: usize = 1 << 17;
+/// takes by default at `d_k`, `None` below the smallest `d_k` it takes.
+/// Measured on an Emerald Rapids Xeon (one thread, H = 8, against the FMA
+/// prefill): at `d_k` 96 and 128, N = 256 (65 536 scores, or 32 896
+/// causal) level or up to 3% slower, N = 512 causal (131 328) 7–9%
+/// faster; at `d_k = 64`, N = 384 (147 456) 2–3% slower, N = 512 (262 144)
+/// 1–2% faster, N = 1024 5–8%. Below that the split of each head's keys
+/// and values (`len_kv·(d_k + d_v)` numbers) and the tiles' fixed costs (a
+/// block's 4 output tiles loaded, stored and waited for, paid per `d_k/32`
+/// steps of a sum) are not paid back; at `d_k = 32` they never are. Only
+/// CPUs with AMX run it, so the constants are theirs.
+fn min_scores(d_k: usize) -> Option<usize> {
+    match d_k {
+        ..64 => None,
+        64..96 => Some(1 << 18),
+        _ => Some(1 << 17),
+    }
+}
 
 /// The AMX tiles for this call, if the prefill takes it: the AVX-512 set's
 /// kernel (`K`), `f32` keys and values, `d_k` a multiple of 32, tiles the
 /// CPU and OS allow and `with_amx` does not turn off; and, unless
-/// `with_amx(true, ..)` forces the tiles, `d_k` at least [`MIN_D_K`] and at
-/// least [`MIN_SCORES`] scores a head. The cheap checks come first: the
+/// `with_amx(true, ..)` forces the tiles, at least [`min_scores`] scores a
+/// head. The cheap checks come first: the
 /// tiles are asked of the OS only for a call that would use them.
 pub(super) fn tiles_for<K: Kernel, KV: Load, Q>(call: &Call<'_, f32, KV, Q>) -> Option<Amx> {
     let forced = match amx_override() {
@@ -131,7 +140,7 @@ pub(super) fn tiles_for<K: Kernel, KV: Load, Q>(call: &Call<'_, f32, KV, Q>) -> 
         && Amx::takes(shape.d_k)
         && shape.len_kv > 0
         && KV::as_f32(head(&call.k, 0, 0)).is_some()
-        && (forced || (shape.d_k >= MIN_D_K && visible_scores(call) >= MIN_SCORES));
+        && (forced || min_scores(shape.d_k).is_some_and(|min| visible_scores(call) >= min));
     takes.then(Amx::new).flatten()
 }
 

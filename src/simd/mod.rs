@@ -245,14 +245,15 @@ pub fn bf16_dot_runs_on(set: KernelSet) -> bool {
 /// - Native `bf16` forward calls (see [`bf16_dot_runs_on`]) with `d_k` a
 ///   multiple of 32 run both products there. Value tiles that hold NaN or
 ///   an infinity still run on `vdpbf16ps`, which skips zero weights.
-/// - `f32` forward prefills with `d_k` a multiple of 32 and at least 96,
-///   and at least 2¹⁷ unmasked scores a head (where the tiles pay; any
-///   multiple of 32 under `with_amx(true, ..)`), split every query, key,
+/// - `f32` forward prefills with `d_k` a multiple of 32 and at least 64,
+///   and at least 2¹⁷ unmasked scores a head, 2¹⁸ at `d_k = 64` (where
+///   the tiles pay; any multiple of 32 under `with_amx(true, ..)`), split
+///   every query, key,
 ///   value and weight into three `bf16` parts (`x = hi + mid + lo`) and sum
 ///   the six partial products of order ≥ 2⁻¹⁶: `f32` accuracy (measured:
 ///   0.5–1.07 times the error of an `f32` FMA sum), on an Emerald Rapids
-///   Xeon 11–18% faster than the FMA kernels at `d_k = 128` and N =
-///   512–2048 (causal 8–13%), about 20% at 4096. Numbers the split cannot
+///   Xeon 16–24% faster than the FMA kernels at `d_k = 128` and N =
+///   512–2048 (causal 10–15%), 4–10% at `d_k = 64` (causal up to 8%). Numbers the split cannot
 ///   hold (NaN, infinities, magnitudes past `√(f32::MAX/(4·d_k))`, values
 ///   past 2¹²⁷) are computed in `f32`, so results mean what the FMA
 ///   kernels' do (but for scores that overflow: the queries carry the
