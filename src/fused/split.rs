@@ -108,19 +108,19 @@ pub(super) fn prefill<K: Kernel, KV: Load + num_traits::Float + Sync, Q: Query, 
 /// The fewest unmasked scores per head ([`visible_scores`]) this prefill
 /// takes by default at `d_k`, `None` below the smallest `d_k` it takes.
 /// Measured on an Emerald Rapids Xeon (one thread, H = 8, against the FMA
-/// prefill): at `d_k` 96 and 128, N = 256 (65 536 scores, or 32 896
-/// causal) level or up to 3% slower, N = 512 causal (131 328) 7–9%
-/// faster; at `d_k = 64`, N = 384 (147 456) 2–3% slower, N = 512 (262 144)
-/// 1–2% faster, N = 1024 5–8%. Below that the split of each head's keys
-/// and values (`len_kv·(d_k + d_v)` numbers) and the tiles' fixed costs (a
-/// block's 4 output tiles loaded, stored and waited for, paid per `d_k/32`
-/// steps of a sum) are not paid back; at `d_k = 32` they never are. Only
-/// CPUs with AMX run it, so the constants are theirs.
+/// prefill): at `d_k` 96 and 128, N = 256 (65 536 scores) 3–6% faster, N =
+/// 256 causal (32 896) 1–3% slower, N = 384 causal (73 920) 4–6% faster;
+/// at `d_k = 64`, N = 384 (147 456) level, 384 causal 4% slower, N = 512
+/// (262 144) 4% faster, N = 1024 9–10%. Below that the split of each
+/// head's keys and values (`len_kv·(d_k + d_v)` numbers) and the tiles'
+/// fixed costs (a block's 4 output tiles loaded, stored and waited for,
+/// paid per `d_k/32` steps of a sum) are not paid back; at `d_k = 32` they
+/// never are. Only CPUs with AMX run it, so the constants are theirs.
 fn min_scores(d_k: usize) -> Option<usize> {
     match d_k {
         ..64 => None,
         64..96 => Some(1 << 18),
-        _ => Some(1 << 17),
+        _ => Some(1 << 16),
     }
 }
 

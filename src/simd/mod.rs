@@ -246,7 +246,7 @@ pub fn bf16_dot_runs_on(set: KernelSet) -> bool {
 ///   multiple of 32 run both products there. Value tiles that hold NaN or
 ///   an infinity still run on `vdpbf16ps`, which skips zero weights.
 /// - `f32` forward prefills with `d_k` a multiple of 32 and at least 64,
-///   and at least 2¹⁷ unmasked scores a head, 2¹⁸ at `d_k = 64` (where
+///   and at least 2¹⁶ unmasked scores a head, 2¹⁸ at `d_k = 64` (where
 ///   the tiles pay; any multiple of 32 under `with_amx(true, ..)`), split
 ///   every query, key,
 ///   value and weight into three `bf16` parts (`x = hi + mid + lo`) and sum

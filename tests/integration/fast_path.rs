@@ -294,7 +294,7 @@ fn long_sequences_cross_many_tiles() {
 }
 
 /// Inputs past the `f32` prefill's thresholds for AMX tiles (`d_k` ≥ 96,
-/// 2¹⁷ unmasked scores a head; 2¹⁸ at `d_k = 64`), with `d_k` and `d_v` in whole tiles or not.
+/// 2¹⁶ unmasked scores a head; 2¹⁸ at `d_k = 64`), with `d_k` and `d_v` in whole tiles or not.
 const SPLIT_SHAPES: [(usize, usize, usize, usize); 2] = [(520, 520, 128, 80), (600, 530, 96, 128)];
 
 #[test]
@@ -354,7 +354,8 @@ fn split_tiles_run_where_the_rule_says() {
         (512, 96, true),
         (520, 64, true),
         (448, 64, false),
-        (256, 128, false),
+        (256, 128, true),
+        (224, 128, false),
     ] {
         let inputs = inputs(&mut rng, 1, 2, 1, len, len, d_k, 64, 1.0);
         let (split, reference) = (plain(tiles, &inputs, None), plain(fma, &inputs, None));
