@@ -538,36 +538,15 @@ unsafe fn values_tiles<const PARTS: usize>(
         // and the loops below keep; `w` holds WEIGHT_ROWS rows of 32 pairs
         // a part, and r < WEIGHT_ROWS.
         unsafe {
-            let p_row = p.add((chunk + r) * p_stride);
-            if PARTS == 1 {
-                for h in 0..PAIR_KEYS / (2 * LANES) {
-                    // `_mm512_cvtne2ps_pbh(a, b)` puts `b`'s 16 in the
-                    // low half: keys 2i, 2i + 1 of the row are pair i.
-                    let low = _mm512_loadu_ps(p_row.add(2 * h * LANES));
-                    let high = _mm512_loadu_ps(p_row.add((2 * h + 1) * LANES));
-                    let rounded: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(high, low));
-                    _mm512_store_si512(w[0].add(r * PAIR_KEYS / 2 + h * LANES).cast(), rounded);
-                }
-            } else {
-                // 16 weights are 8 pairs: half a vector of each part.
-                for h in 0..PAIR_KEYS / LANES {
-                    let parts = split16(_mm512_loadu_ps(p_row.add(h * LANES)));
-                    for (a, part) in parts.into_iter().enumerate().take(PARTS) {
-                        let at = w[a].add(r * PAIR_KEYS / 2 + h * LANES / 2);
-                        _mm256_store_si256(at.cast(), part);
-                    }
-                }
-            }
-            // Once a row's maximum settles, most key tiles leave it
-            // (α = 1): skip the pass over its output row then.
-            let alpha = alpha[chunk + r];
-            if alpha != 1.0 {
-                let a = _mm512_set1_ps(alpha);
-                for c in (0..width).step_by(LANES) {
-                    let at = o.add((chunk + r) * width + c);
-                    _mm512_storeu_ps(at, _mm512_mul_ps(a, _mm512_loadu_ps(at)));
-                }
-            }
+            let o_row = o.add((chunk + r) * width);
+            prepare_row(
+                p.add((chunk + r) * p_stride),
+                r,
+                w,
+                alpha[chunk + r],
+                o_row,
+                width,
+            );
         }
     };
     let chunk_rows = |chunk: usize| WEIGHT_ROWS.min(rows.saturating_sub(chunk));
@@ -597,18 +576,15 @@ unsafe fn values_tiles<const PARTS: usize>(
             let (next, next_rows) = (chunk + WEIGHT_ROWS, chunk_rows(chunk + WEIGHT_ROWS));
             let steps = chunk_rows(chunk).div_ceil(2 * TILE_ROWS) * width_blocks * tile_steps;
             let spread = (steps * 3 / 4).max(1);
+            let next_set = sets[(n + 1) % 2];
             let (mut step, mut prepared) = (0, 0);
-            let mut prepare_next = |step: usize| {
-                while prepared < next_rows && prepared * spread < next_rows * step {
-                    prepare(next, prepared, sets[(n + 1) % 2]);
-                    prepared += 1;
-                }
-            };
             if PARTS == 1 {
                 // Rounding is one instruction per 32 weights, too little
-                // to be worth spreading (spread, `bf16` calls measured
-                // 0.3–1.6% slower than in one block).
-                prepare_next(spread);
+                // to be worth spreading.
+                for r in 0..next_rows {
+                    prepare(next, r, next_set);
+                }
+                prepared = next_rows;
             }
             let mut r0 = 0;
             while r0 < chunk_rows(chunk) {
@@ -654,8 +630,13 @@ unsafe fn values_tiles<const PARTS: usize>(
                             }
                             loaded = a;
                             if PARTS > 1 {
+                                // Rows due after `step` products: the
+                                // next chunk's `step / spread`.
                                 step += 1;
-                                prepare_next(step);
+                                while prepared < next_rows && prepared * spread < next_rows * step {
+                                    prepare(next, prepared, next_set);
+                                    prepared += 1;
+                                }
                             }
                         }
                     }
@@ -673,7 +654,59 @@ unsafe fn values_tiles<const PARTS: usize>(
                 }
                 r0 += if two { 2 * TILE_ROWS } else { TILE_ROWS };
             }
-            prepare_next(spread);
+            for r in prepared..next_rows {
+                prepare(next, r, next_set);
+            }
+        }
+    }
+}
+
+/// [`values_tiles`]' vector work for one row: its `KEY_TILE` weights
+/// from `p_row` rounded (`PARTS = 1`) or split (3) into row `r` of each
+/// part of `w`, and the output row `o_row` (`width` numbers) scaled by
+/// `alpha` unless it is 1 (once a row's maximum settles, most key tiles
+/// leave it so).
+///
+/// # Safety
+/// `p_row` holds `PAIR_KEYS` numbers, `o_row` `width`, each part of `w`
+/// row `r` of 32 pairs (64-byte aligned); the CPU has the features.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+unsafe fn prepare_row<const PARTS: usize>(
+    p_row: *const f32,
+    r: usize,
+    w: [*mut u32; PARTS],
+    alpha: f32,
+    o_row: *mut f32,
+    width: usize,
+) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        if PARTS == 1 {
+            for h in 0..PAIR_KEYS / (2 * LANES) {
+                // `_mm512_cvtne2ps_pbh(a, b)` puts `b`'s 16 in the low
+                // half: keys 2i, 2i + 1 of the row are pair i.
+                let low = _mm512_loadu_ps(p_row.add(2 * h * LANES));
+                let high = _mm512_loadu_ps(p_row.add((2 * h + 1) * LANES));
+                let rounded: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(high, low));
+                _mm512_store_si512(w[0].add(r * PAIR_KEYS / 2 + h * LANES).cast(), rounded);
+            }
+        } else {
+            // 16 weights are 8 pairs: half a vector of each part.
+            for h in 0..PAIR_KEYS / LANES {
+                let parts = split16(_mm512_loadu_ps(p_row.add(h * LANES)));
+                for (a, part) in parts.into_iter().enumerate().take(PARTS) {
+                    let at = w[a].add(r * PAIR_KEYS / 2 + h * LANES / 2);
+                    _mm256_store_si256(at.cast(), part);
+                }
+            }
+        }
+        if alpha != 1.0 {
+            let a = _mm512_set1_ps(alpha);
+            for c in (0..width).step_by(LANES) {
+                let at = o_row.add(c);
+                _mm512_storeu_ps(at, _mm512_mul_ps(a, _mm512_loadu_ps(at)));
+            }
         }
     }
 }
