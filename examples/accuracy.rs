@@ -81,9 +81,9 @@ impl Input {
         let against = "against sdpa::core in f64";
         match self {
             Input::F32 => {
-                // The (1024, 128) cells take the split tiles where they run.
+                // The N = 1024 cells take the split tiles where they run.
                 let tiles = if sdpa::simd::amx_runs_on(set) {
-                    " (d = 128 on AMX tiles, split in three bf16 parts)"
+                    " (N = 1024 on AMX tiles, split in three bf16 parts)"
                 } else {
                     ""
                 };
