@@ -133,27 +133,25 @@ fn main() {
     let opts = if causal { opts.causal() } else { opts };
     let opts = with_modifier(opts, modifier, &slopes, &sinks);
     let dtype = std::env::var("DTYPE").unwrap_or_else(|_| "f32".into());
-    #[cfg(feature = "half")]
-    let inputs = [&q, &k, &v].map(|x| x.clone());
     let calls_on_inputs = || match dtype.as_str() {
         "f32" => run([q, k, v], &opts, backward, calls),
         #[cfg(feature = "half")]
         "bf16" => run(
-            inputs.map(|x| x.mapv(sdpa::half::bf16::from_f32)),
+            [&q, &k, &v].map(|x| x.mapv(sdpa::half::bf16::from_f32)),
             &opts,
             backward,
             calls,
         ),
         #[cfg(feature = "half")]
         "f16" => run(
-            inputs.map(|x| x.mapv(sdpa::half::f16::from_f32)),
+            [&q, &k, &v].map(|x| x.mapv(sdpa::half::f16::from_f32)),
             &opts,
             backward,
             calls,
         ),
         #[cfg(feature = "half")]
         "bf16-by-hand" => by_hand(
-            inputs.map(|x| x.mapv(sdpa::half::bf16::from_f32)),
+            [&q, &k, &v].map(|x| x.mapv(sdpa::half::bf16::from_f32)),
             &opts,
             calls,
         ),

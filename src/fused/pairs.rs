@@ -24,7 +24,7 @@ use ndarray::{ArrayView, ArrayView2, ArrayViewMut3, ArrayViewMut4, Dimension};
 use super::forward::{self, forward_or_decode, prefill_with};
 use super::scratch::Scratch;
 use super::tile::{TileQueries, TileSource};
-use super::{KEY_TILE, Output, Query, forward_query_tile};
+use super::{AMX_CAUSAL_QUERY_TILE, KEY_TILE, Output, Query, forward_query_tile};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
@@ -34,14 +34,6 @@ use crate::simd::{
 };
 
 const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
-
-/// Query rows per work item of a causal call on AMX tiles, which compute
-/// rows in blocks of 32: the `f32` path's 48 leaves a half block per tile.
-/// Measured on Sapphire Rapids (one thread, bf16, d = 64, against 48):
-/// 64 rows ran 7% faster at N = 256 causal and 2% at 1024 (N = 4096
-/// within noise), 32 rows slower. Like every query tile, chosen without
-/// the thread count.
-const AMX_CAUSAL_QUERY_TILE: usize = 64;
 
 /// `f32` lanes of the AVX-512 set, the only one this path runs with: the
 /// value rows the tile keeps are padded to it, as `Bf16Dot` needs.

@@ -37,29 +37,16 @@ use ndarray::{ArrayView2, ArrayViewMut3, ArrayViewMut4, CowArray, Ix2};
 use super::forward::prefill_with;
 use super::scratch::Scratch;
 use super::tile::{TileQueries, TileSource};
-use super::{KEY_TILE, LONG_QUERY_TILE, Output, Query, forward_query_tile, visible_scores};
+use super::{
+    AMX_CAUSAL_QUERY_TILE, KEY_TILE, LONG_QUERY_TILE, Output, QUERY_TILE, Query,
+    forward_query_tile, visible_scores,
+};
 use crate::alloc::{element_count, try_filled};
 use crate::call::{Call, head};
 use crate::error::AttentionError;
 use crate::simd::{Amx, Kernel, Load, PAIR_KEYS, amx_override};
 
 const _: () = assert!(PAIR_KEYS == KEY_TILE, "a packed tile is a key tile");
-
-/// Query rows per work item of a causal call, unless the keys and values
-/// stream from beyond L2 ([`LONG_QUERY_TILE`]): whole blocks of 32 rows.
-/// Measured on an Emerald Rapids Xeon (one thread, `d_k = 128`, tiles of
-/// 64, 96, 128 and 192 rows, two rounds): 64 rows fastest at N = 512 and
-/// 1024 causal, by 5–11%; at N = 4096 the long tile (192) by 6%.
-const CAUSAL_QUERY_TILE: usize = 64;
-
-/// [`CAUSAL_QUERY_TILE`] for the other calls. Taller than it because each
-/// chunk of 32 rows after the first has its weights split while the
-/// chunk before it is on the tiles: with 96 rows two chunks of three
-/// overlap so, against one of two (measured, as above, `d_k` 64 and 128,
-/// N = 512–2048: 2–4% faster than 64 rows; causal 3–8% slower, the
-/// diagonal's waste); the long tile (192) 10% faster than 64 rows where
-/// it is chosen.
-const QUERY_TILE: usize = 96;
 
 /// Bytes of one number of the packed keys and values: three `bf16`.
 const PACKED_BYTES: usize = 3 * size_of::<bf16>();
@@ -94,10 +81,17 @@ pub(super) fn prefill<K: Kernel, KV: Load + num_traits::Float + Sync, Q: Query, 
     out: ArrayViewMut4<'_, O>,
     log_sum_exp: Option<ArrayViewMut3<'_, f32>>,
 ) -> Result<(), AttentionError> {
-    // Streamed keys and values: the long tile, as the FMA prefill.
+    // Streamed keys and values: the long tile, as the FMA prefill (10%
+    // faster than 64 rows at N = 4096 bidirectional, 6% causal). Else
+    // whole blocks of 32 rows: 96 bidirectional, which is taller than the
+    // causal tile because each block of 32 rows after the first has its
+    // weights split while the block before it is on the tiles, two of
+    // three so against one of two at 64 rows (measured, Emerald Rapids,
+    // one thread, N = 512–2048: `d_k = 64` 2–4% faster, `d_k = 128` 0–4%;
+    // causal 3–8% slower, the diagonal's waste).
     let query_tile = match forward_query_tile(call, PACKED_BYTES) {
         LONG_QUERY_TILE => LONG_QUERY_TILE,
-        _ if call.opts.causal.is_some() => CAUSAL_QUERY_TILE,
+        _ if call.opts.causal.is_some() => AMX_CAUSAL_QUERY_TILE,
         _ => QUERY_TILE,
     };
     prefill_with(kernel, call, query_tile, out, log_sum_exp, |b, kv_h| {
@@ -302,6 +296,7 @@ fn split_parts(parts: &mut [bf16], len: usize) -> [&mut [bf16]; 3] {
 /// A split buffer holds its three parts (`hi`, `mid`, `lo`) one after
 /// another, each a third of it.
 fn thirds<T>(parts: &[T]) -> [&[T]; 3] {
+    debug_assert!(parts.len().is_multiple_of(3));
     let (hi, rest) = parts.split_at(parts.len() / 3);
     let (mid, lo) = rest.split_at(hi.len());
     [hi, mid, lo]
@@ -309,6 +304,7 @@ fn thirds<T>(parts: &[T]) -> [&[T]; 3] {
 
 /// [`thirds`], to write.
 fn thirds_mut<T>(parts: &mut [T]) -> [&mut [T]; 3] {
+    debug_assert!(parts.len().is_multiple_of(3));
     let (hi, rest) = parts.split_at_mut(parts.len() / 3);
     let (mid, lo) = rest.split_at_mut(hi.len());
     [hi, mid, lo]

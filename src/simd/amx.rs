@@ -471,8 +471,9 @@ unsafe fn scores_tiles(
     }
 }
 
-/// Rows of weights [`values_tiles`] rounds to `bf16` at once: one block
-/// of output tiles. A whole query tile's (96) at once, which leaves more
+/// Rows of weights [`values_tiles`] holds in a set (a chunk), rounded to
+/// `bf16` or split: one block of output tiles. A whole query tile's (96)
+/// rounded at once, which leaves more
 /// time between the scaling of an output row and its tile load, measured
 /// 3–5% slower (Sapphire Rapids, one thread): its weights take a quarter
 /// of L1.
@@ -488,7 +489,7 @@ const WEIGHT_ROWS: usize = 2 * TILE_ROWS;
 /// loaded, each product's two 32-key halves of the value tile (tiles 6–7,
 /// weights in 4–5, loaded where their part is not the one loaded) added,
 /// and stored back. The next chunk's vector work runs between this
-/// chunk's tile products.
+/// chunk's tile products (a split), or in one block before them (rounding).
 ///
 /// # Safety
 /// As the callers check, with the tiles configured.
@@ -516,11 +517,11 @@ unsafe fn values_tiles<const PARTS: usize>(
     let (p, o) = (p.as_ptr(), o.as_mut_ptr());
     let (w_bytes, o_bytes) = (PAIR_KEYS / 2 * BYTES, width * BYTES);
     // Two sets of weights: a chunk's are rounded or split, and its output
-    // rows scaled, while the tiles of the chunk before it run, so that
-    // the tile loads of its weights and output rows come well after the
-    // vector stores to them (a tile load right behind them waits for
-    // them: measured, `f32` split, d = 64, the first product of a chunk
-    // took a fifth of the kernel's time).
+    // rows scaled, before or while the tiles of the chunk before it run,
+    // so that the tile loads of its weights and output rows come well
+    // after the vector stores to them (a tile load right behind them
+    // waits for them: measured, `f32` split, d = 64, the first product of
+    // a chunk took a fifth of the kernel's time).
     // Left uninitialised (zeroing them cost about 1% of a call): the
     // tiles read only the rows `prepare` wrote.
     let mut weights = [const { MaybeUninit::<Weights<PARTS>>::uninit() }; 2];
@@ -564,13 +565,13 @@ unsafe fn values_tiles<const PARTS: usize>(
         }
         for (n, chunk) in (0..rows).step_by(WEIGHT_ROWS).enumerate() {
             let w = sets[n % 2];
-            // The next chunk's vector work runs a row at a time between
-            // this chunk's products, done by three quarters of them, so
-            // that it overlaps the tiles (run as one block it mostly waited
-            // for them: a core retires in order, and a few hundred
+            // The next chunk's split runs a row at a time between this
+            // chunk's products, done by three quarters of them, so that it
+            // overlaps the tiles (run as one block it mostly waited for
+            // them: a core retires in order, and a few hundred
             // instructions behind the queued tile products fill its
-            // reorder buffer) and its stores are long done when the next
-            // chunk's tiles load what they wrote. Measured (Emerald
+            // reorder buffer) and is done well before the next chunk's
+            // tiles load what it wrote. Measured (Emerald
             // Rapids, one thread, `f32` split, against the block): `d_k =
             // 64` N = 1024 +1–3%, N = 4096 +12%; `d_k = 128` +3–5%, +7%.
             let (next, next_rows) = (chunk + WEIGHT_ROWS, chunk_rows(chunk + WEIGHT_ROWS));
@@ -668,8 +669,9 @@ unsafe fn values_tiles<const PARTS: usize>(
 /// leave it so).
 ///
 /// # Safety
-/// `p_row` holds `PAIR_KEYS` numbers, `o_row` `width`, each part of `w`
-/// row `r` of 32 pairs (64-byte aligned); the CPU has the features.
+/// `p_row` holds `PAIR_KEYS` numbers, `o_row` `width`, a multiple of 16,
+/// each part of `w` row `r` of 32 pairs (64-byte aligned); the CPU has the
+/// features.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[inline]
 unsafe fn prepare_row<const PARTS: usize>(

@@ -248,13 +248,12 @@ pub fn bf16_dot_runs_on(set: KernelSet) -> bool {
 /// - `f32` forward prefills with `d_k` a multiple of 32 and at least 64,
 ///   and at least 2¹⁶ unmasked scores a head, 2¹⁸ at `d_k = 64` (where
 ///   the tiles pay; any multiple of 32 under `with_amx(true, ..)`), split
-///   every query, key,
-///   value and weight into three `bf16` parts (`x = hi + mid + lo`) and sum
-///   the six partial products of order ≥ 2⁻¹⁶: `f32` accuracy (measured:
-///   0.5–1.07 times the error of an `f32` FMA sum), on an Emerald Rapids
-///   Xeon 16–24% faster than the FMA kernels at `d_k = 128` and N =
-///   512–2048 (causal 10–15%), 4–10% at `d_k = 64` (causal up to 8%). Numbers the split cannot
-///   hold (NaN, infinities, magnitudes past `√(f32::MAX/(4·d_k))`, values
+///   every query, key, value and weight into three `bf16` parts (`x = hi +
+///   mid + lo`) and sum the six partial products of order ≥ 2⁻¹⁶: `f32`
+///   accuracy (measured: 0.5–1.07 times the error of an `f32` FMA sum), on
+///   an Emerald Rapids Xeon 16–24% faster than the FMA kernels at `d_k =
+///   128` and N = 512–2048 (causal 10–15%), 4–10% at `d_k = 64` (causal up
+///   to 8%). Numbers the split cannot hold (NaN, infinities, magnitudes past `√(f32::MAX/(4·d_k))`, values
 ///   past 2¹²⁷) are computed in `f32`, so results mean what the FMA
 ///   kernels' do (but for scores that overflow: the queries carry the
 ///   scale here, the keys there); their bits differ from them (another

@@ -293,8 +293,8 @@ fn long_sequences_cross_many_tiles() {
     }
 }
 
-/// Inputs past the `f32` prefill's thresholds for AMX tiles (`d_k` ≥ 96,
-/// 2¹⁶ unmasked scores a head; 2¹⁸ at `d_k = 64`), with `d_k` and `d_v` in whole tiles or not.
+/// Inputs past the `f32` prefill's thresholds for AMX tiles (`d_k` ≥ 64,
+/// 2¹⁶ unmasked scores a head, 2¹⁸ at `d_k = 64`), with `d_k` and `d_v` in whole tiles or not.
 const SPLIT_SHAPES: [(usize, usize, usize, usize); 2] = [(520, 520, 128, 80), (600, 530, 96, 128)];
 
 #[test]
@@ -339,8 +339,8 @@ fn plain(engine: Engine, inputs: &Inputs, scale: Option<f32>) -> Array4<f32> {
 fn split_tiles_run_where_the_rule_says() {
     // Where the CPU has AMX, a call the rule gives the tiles sums in
     // another order than the FMA kernels (other bits, within f32
-    // accuracy); one it does not (too few scores for its d_k) gives the
-    // same bits by default as with the tiles off.
+    // accuracy); one it does not (d_k below 64, or too few scores for its
+    // d_k) gives the same bits by default as with the tiles off.
     let Some((forced, fma)) = tiles_and_fma() else {
         return;
     };
@@ -352,8 +352,9 @@ fn split_tiles_run_where_the_rule_says() {
     for (len, d_k, taken) in [
         (520, 128, true),
         (512, 96, true),
-        (520, 64, true),
-        (448, 64, false),
+        (520, 32, false),
+        (512, 64, true),
+        (496, 64, false),
         (256, 128, true),
         (224, 128, false),
     ] {
