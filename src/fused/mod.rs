@@ -77,6 +77,7 @@ pub(crate) const CAUSAL_QUERY_TILE: usize = 48;
 /// `f32` split, `d_k = 128`, against 96 and 128 rows) 5–11% faster at N =
 /// 512 and 1024 causal. Like every query tile, chosen without the thread
 /// count.
+#[cfg(feature = "half")]
 pub(crate) const AMX_CAUSAL_QUERY_TILE: usize = 64;
 
 /// Query rows per forward work item when a query tile streams at least
