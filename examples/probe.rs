@@ -27,11 +27,15 @@
 //! must meet on a CPU without native BF16.
 //! `AMX=1` forces prefills onto AMX tiles wherever they can run (`f32`
 //! by the three-way split too), `AMX=0` keeps them off
-//! ([`sdpa::simd::with_amx`]).
+//! ([`sdpa::simd::with_amx`]); `BF16_DOT` likewise for native `bf16`
+//! ([`sdpa::simd::with_bf16_dot`]), as in the throughput example.
 //! Valgrind has no AVX-512: force `SDPA_KERNEL=avx2` (or `scalar`) under it.
 
 use ndarray::{Array3, Array4};
 use sdpa::{AttentionGradients, AttentionOptions, AttentionPartial, Storage};
+
+#[path = "support/machine.rs"]
+mod machine;
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -157,10 +161,7 @@ fn main() {
         ),
         other => panic!("DTYPE {other}: f32, bf16, f16 or bf16-by-hand (with the half feature)"),
     };
-    let checksum = match std::env::var("AMX") {
-        Ok(amx) => sdpa::simd::with_amx(amx != "0", calls_on_inputs),
-        Err(_) => calls_on_inputs(),
-    };
+    let checksum = machine::with_bf16_choice(calls_on_inputs);
     let work = if decode {
         "decode"
     } else if backward {

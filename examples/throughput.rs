@@ -66,21 +66,8 @@ fn env_or(name: &str, default: usize) -> usize {
 /// Median seconds of `f` over at least 5 runs and at least 0.3 s.
 /// [`median_seconds`] with every call of `f` on kernel set `set`.
 fn median_seconds_on(set: KernelSet, f: impl FnMut()) -> f64 {
-    with_bf16_choice(|| sdpa::simd::with_kernel_set(set, || median_seconds(f)))
+    machine::with_bf16_choice(|| sdpa::simd::with_kernel_set(set, || median_seconds(f)))
         .expect("an available kernel set")
-}
-
-/// `f` with the `bf16` choices `AMX` and `BF16_DOT` force, if set.
-fn with_bf16_choice<R>(f: impl FnOnce() -> R) -> R {
-    let forced = |name| std::env::var(name).ok().map(|v| v != "0");
-    let f = || match forced("AMX") {
-        Some(enabled) => sdpa::simd::with_amx(enabled, f),
-        None => f(),
-    };
-    match forced("BF16_DOT") {
-        Some(native) => sdpa::simd::with_bf16_dot(native, f),
-        None => f(),
-    }
 }
 
 /// A forward's inputs in a half-precision type.
@@ -200,11 +187,13 @@ fn main() {
         })
         .map(|(t, set, peak)| match (t, tile_peak, dot_peak) {
             ("bf16", Some(tiles), _)
-                if with_bf16_choice(|| bf16_dot_runs_on(set) && amx_runs_on(set)) =>
+                if machine::with_bf16_choice(|| bf16_dot_runs_on(set) && amx_runs_on(set)) =>
             {
                 (t, set, tiles)
             }
-            ("bf16", _, Some(dot)) if with_bf16_choice(|| bf16_dot_runs_on(set)) => (t, set, dot),
+            ("bf16", _, Some(dot)) if machine::with_bf16_choice(|| bf16_dot_runs_on(set)) => {
+                (t, set, dot)
+            }
             _ => (t, set, peak),
         })
         .collect();

@@ -1,9 +1,10 @@
 //! What the examples print in their headers, so every table they produce
 //! can be traced to its machine: the CPU model, the kernel set and its
-//! measured peak.
+//! measured peak; and the kernel choices their environment forces.
 
 /// The CPU's model name (`/proc/cpuinfo` on Linux), or the architecture
 /// where that is not available.
+#[allow(dead_code)]
 pub fn cpu_model() -> String {
     let model = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -38,4 +39,20 @@ pub fn selected_set_and_peak() -> (sdpa::simd::KernelSet, f64) {
         set,
         sdpa::simd::fma_peak(set).expect("the selected set runs"),
     )
+}
+
+/// `f` with the `bf16` choices `AMX` and `BF16_DOT` force, if set (`0`
+/// turns one off, anything else on; see `sdpa::simd::with_amx` and
+/// `with_bf16_dot`).
+#[allow(dead_code)]
+pub fn with_bf16_choice<R>(f: impl FnOnce() -> R) -> R {
+    let forced = |name| std::env::var(name).ok().map(|v| v != "0");
+    let f = || match forced("AMX") {
+        Some(enabled) => sdpa::simd::with_amx(enabled, f),
+        None => f(),
+    };
+    match forced("BF16_DOT") {
+        Some(native) => sdpa::simd::with_bf16_dot(native, f),
+        None => f(),
+    }
 }

@@ -122,8 +122,8 @@ fn min_scores(d_k: usize) -> Option<usize> {
 /// kernel (`K`), `f32` keys and values, `d_k` a multiple of 32, tiles the
 /// CPU and OS allow and `with_amx` does not turn off; and, unless
 /// `with_amx(true, ..)` forces the tiles, at least [`min_scores`] scores a
-/// head. The cheap checks come first: the
-/// tiles are asked of the OS only for a call that would use them.
+/// head. The cheap checks come first: the tiles are asked of the OS only
+/// for a call that would use them.
 pub(super) fn tiles_for<K: Kernel, KV: Load, Q>(call: &Call<'_, f32, KV, Q>) -> Option<Amx> {
     let forced = match amx_override() {
         Some(false) => return None,

@@ -571,11 +571,12 @@ unsafe fn values_tiles<const PARTS: usize>(
             // them: a core retires in order, and a few hundred
             // instructions behind the queued tile products fill its
             // reorder buffer) and is done well before the next chunk's
-            // tiles load what it wrote. Measured (Emerald
-            // Rapids, one thread, `f32` split, against the block): `d_k =
-            // 64` N = 1024 +1–3%, N = 4096 +12%; `d_k = 128` +3–5%, +7%.
+            // tiles load what it wrote. Measured (Emerald Rapids, one
+            // thread, `f32` split, against the block): `d_k = 64` N = 1024
+            // +1–3%, N = 4096 +12%; `d_k = 128` +3–5%, +7%.
+            let this_rows = chunk_rows(chunk);
             let (next, next_rows) = (chunk + WEIGHT_ROWS, chunk_rows(chunk + WEIGHT_ROWS));
-            let steps = chunk_rows(chunk).div_ceil(2 * TILE_ROWS) * width_blocks * tile_steps;
+            let steps = this_rows.div_ceil(2 * TILE_ROWS) * width_blocks * tile_steps;
             let spread = (steps * 3 / 4).max(1);
             let next_set = sets[(n + 1) % 2];
             let (mut step, mut prepared) = (0, 0);
@@ -588,8 +589,8 @@ unsafe fn values_tiles<const PARTS: usize>(
                 prepared = next_rows;
             }
             let mut r0 = 0;
-            while r0 < chunk_rows(chunk) {
-                let two = chunk_rows(chunk) - r0 >= 2 * TILE_ROWS;
+            while r0 < this_rows {
+                let two = this_rows - r0 >= 2 * TILE_ROWS;
                 let mut c0 = 0;
                 while c0 < width {
                     let wide = width - c0 >= 2 * LANES;
@@ -662,7 +663,7 @@ unsafe fn values_tiles<const PARTS: usize>(
     }
 }
 
-/// [`values_tiles`]' vector work for one row: its `KEY_TILE` weights
+/// [`values_tiles`]' vector work for one row: its `PAIR_KEYS` weights
 /// from `p_row` rounded (`PARTS = 1`) or split (3) into row `r` of each
 /// part of `w`, and the output row `o_row` (`width` numbers) scaled by
 /// `alpha` unless it is 1 (once a row's maximum settles, most key tiles

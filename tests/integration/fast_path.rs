@@ -294,7 +294,8 @@ fn long_sequences_cross_many_tiles() {
 }
 
 /// Inputs past the `f32` prefill's thresholds for AMX tiles (`d_k` ≥ 64,
-/// 2¹⁶ unmasked scores a head, 2¹⁸ at `d_k = 64`), with `d_k` and `d_v` in whole tiles or not.
+/// 2¹⁶ unmasked scores a head, 2¹⁸ at `d_k = 64`), with `d_k` and `d_v` in
+/// whole tiles or not.
 const SPLIT_SHAPES: [(usize, usize, usize, usize); 2] = [(520, 520, 128, 80), (600, 530, 96, 128)];
 
 #[test]
