@@ -41,7 +41,7 @@ use super::{
     AMX_CAUSAL_QUERY_TILE, KEY_TILE, LONG_QUERY_TILE, Output, QUERY_TILE, Query,
     forward_query_tile, visible_scores,
 };
-use crate::alloc::{element_count, try_filled};
+use crate::alloc::element_count;
 use crate::call::{Call, head};
 use crate::error::AttentionError;
 use crate::simd::{Amx, Kernel, Load, PAIR_KEYS, amx_override};
@@ -185,12 +185,6 @@ impl<'a> SplitKeys<'a> {
         let keys = [part(key_len)?, part(key_len)?, part(key_len)?];
         let values = [part(value_len)?, part(value_len)?, part(value_len)?];
         let (f32_keys, f32_values) = (f32_rows(&call.k, b, kv_h), f32_rows(&call.v, b, kv_h));
-        // One key tile's parts at a time, then packed as `bf16` rows are.
-        let mut parts = try_filled(
-            what,
-            element_count::<bf16>(what, &[3, KEY_TILE, d_k.max(d_v)])?,
-            bf16::ZERO,
-        )?;
         let mut source = Self {
             amx,
             keys,
@@ -208,30 +202,40 @@ impl<'a> SplitKeys<'a> {
         for t in 0..tiles {
             let rows = t * KEY_TILE..((t + 1) * KEY_TILE).min(shape.len_kv);
             // `d_k` is a positive multiple of 32 (`tiles_for`).
-            let tile = &keys[rows.start * d_k..rows.end * d_k];
-            let unsplit = &mut source.unsplit_keys;
-            let split = split_rows(amx, rows.start, tile, d_k, bound, &mut parts, unsplit);
-            for (part, packed) in split.into_iter().zip(&mut source.keys) {
-                let out = &mut packed[t * KEY_TILE * d_pairs..][..KEY_TILE * d_pairs];
-                amx.dot().pack_keys(part, d_k, out);
+            let mut tile = source
+                .keys
+                .each_mut()
+                .map(|part| &mut part[t * KEY_TILE * d_pairs..][..KEY_TILE * d_pairs]);
+            let x = &keys[rows.start * d_k..rows.end * d_k];
+            let beyond =
+                amx.split_pack_keys(x, d_k, bound, tile.each_mut().map(|part| &mut **part));
+            for r in set_bits(beyond) {
+                source.unsplit_keys.push(rows.start + r);
+                for part in &mut tile {
+                    part.iter_mut()
+                        .skip(r)
+                        .step_by(KEY_TILE)
+                        .for_each(|pair| *pair = 0);
+                }
             }
             if d_v > 0 {
-                let tile = &values[rows.start * d_v..rows.end * d_v];
-                let unsplit = &mut source.unsplit_values;
-                let split = split_rows(
-                    amx,
-                    rows.start,
-                    tile,
-                    d_v,
-                    UNSPLIT_VALUE,
-                    &mut parts,
-                    unsplit,
-                );
-                for (part, packed) in split.into_iter().zip(&mut source.values) {
-                    let out = &mut packed[t * KEY_TILE / 2 * width..][..KEY_TILE / 2 * width];
-                    let mut nonfinite = [false];
-                    amx.dot().pack_values(part, d_v, width, out, &mut nonfinite);
-                    debug_assert!(!nonfinite[0], "unsplit rows are zero");
+                let len = KEY_TILE / 2 * width;
+                let mut tile = source
+                    .values
+                    .each_mut()
+                    .map(|part| &mut part[t * KEY_TILE / 2 * width..][..len]);
+                let x = &values[rows.start * d_v..rows.end * d_v];
+                let split = tile.each_mut().map(|part| &mut **part);
+                let beyond = amx.split_pack_values(x, d_v, width, UNSPLIT_VALUE, split);
+                for r in set_bits(beyond) {
+                    source.unsplit_values.push(rows.start + r);
+                    // Row r is the low half of pair row r/2 if even.
+                    let keep = if r % 2 == 0 { 0xffff_0000 } else { 0x0000_ffff };
+                    for part in &mut tile {
+                        part[r / 2 * width..][..width]
+                            .iter_mut()
+                            .for_each(|pair| *pair &= keep);
+                    }
                 }
             }
         }
@@ -260,37 +264,15 @@ fn f32_rows<'a, KV: Load>(
     }
 }
 
-/// Splits the rows `x` (`[n][d]`, rows `first..first + n` of a head) into
-/// the first `n·d` numbers of each third of `parts`, and returns those.
-/// A row with a number of magnitude `bound` or more (or NaN) is noted in
-/// `unsplit` and its parts are zero: the tiles add nothing for it, and
-/// the caller computes what it touches in `f32`.
-fn split_rows<'p>(
-    amx: Amx,
-    first: usize,
-    x: &[f32],
-    d: usize,
-    bound: f32,
-    parts: &'p mut [bf16],
-    unsplit: &mut Vec<usize>,
-) -> [&'p [bf16]; 3] {
-    let [hi, mid, lo] = split_parts(parts, x.len());
-    if amx.split(x, bound, [&mut *hi, &mut *mid, &mut *lo]) {
-        for (r, row) in x.chunks_exact(d).enumerate() {
-            if !row.iter().all(|x| x.abs() < bound) {
-                unsplit.push(first + r);
-                for part in [&mut *hi, &mut *mid, &mut *lo] {
-                    part[r * d..(r + 1) * d].fill(bf16::ZERO);
-                }
-            }
-        }
-    }
-    [hi, mid, lo]
-}
-
-/// The first `len` numbers of each of the three parts kept in `parts`.
-fn split_parts(parts: &mut [bf16], len: usize) -> [&mut [bf16]; 3] {
-    thirds_mut(parts).map(|part| &mut part[..len])
+/// The indices of the set bits of `bits`, lowest first.
+fn set_bits(mut bits: u64) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        (bits != 0).then(|| {
+            let at = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            at
+        })
+    })
 }
 
 /// A split buffer holds its three parts (`hi`, `mid`, `lo`) one after
