@@ -19,8 +19,9 @@
 //! `tdpbf16ps`, as for every `bf16` operand), an absolute error below
 //! 2⁻¹²⁶ per element, far under what reaches a score; NaN, infinities and
 //! numbers whose `hi` rounds past `bf16`'s largest finite value split into
-//! NaN or infinite parts, so the callers flag them ([`Amx::split`]
-//! says where) and compute what they touch in `f32`.
+//! NaN or infinite parts, so the callers flag them ([`Amx::split_pairs`]
+//! and the packing splits say where) and compute what they touch in
+//! `f32`.
 
 use std::arch::x86_64::*;
 
@@ -53,9 +54,7 @@ impl Amx {
         // two, the first in the low half on this little-endian CPU).
         unsafe { split(x, bound, parts.map(|part| part.as_mut_ptr().cast::<u16>())) }
     }
-}
 
-impl Amx {
     /// Splits up to [`PAIR_KEYS`] key rows (`keys`, `[rows][d_k]`, `d_k`
     /// a multiple of 32) and packs each part as a key tile `[d_k/2][64]`
     /// of `bf16` pairs (dims `2p`, `2p + 1` of key `j` at `[p][j]`, the
