@@ -43,12 +43,12 @@ fn env_or(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// Median seconds of 7 runs after one warm-up.
 /// [`median_seconds`] with every call of `f` on kernel set `set`.
 fn median_seconds_on(set: KernelSet, f: impl FnMut()) -> f64 {
     sdpa::simd::with_kernel_set(set, || median_seconds(f)).expect("an available kernel set")
 }
 
+/// Median seconds of 7 runs after one warm-up.
 fn median_seconds(mut f: impl FnMut()) -> f64 {
     f();
     let mut times: Vec<f64> = (0..7)
