@@ -767,7 +767,7 @@ fn sgd_step_lowers_the_loss_and_apply_gradients_pairs_parameters() {
 /// `dP` and `D` are the same dot product summed in two orders, and f32
 /// leaves a few ulps of `|dP|` (about `|d_y|·|v|`), which the queries and
 /// keys carry into `d_x` however small its real part is (a case with key
-/// lengths 0 and 1 measured 2.3e-5 of `d_x`'s largest entry, 1e-7 of the
+/// lengths 0 and 1 measured 2.3e-5 of `d_x`'s largest entry, 1e-8 of the
 /// terms).
 fn assert_f32_matches_f64(case64: &Case<f64>, tol: f64) -> f64 {
     let case32 = case64.cast::<f32>();
