@@ -13,10 +13,12 @@
 //! never `f32` projections), so taking their `bf16` bits back when
 //! `tile.rs` pairs them (unscaled) is exact too:
 //! the scores are the `f32` sums of exact products, scaled in `f32`. The
-//! one rounding this path adds over the `f32` path is the weights `P`,
-//! rounded to `bf16` per tile for `P·V`: each by a relative 2⁻⁸ at most,
-//! so an output moves by at most `2⁻⁸·Σ_j p_j·|v_j|/Σ_j p_j ≤ 2⁻⁸·max|v|`
-//! beyond the `f32` path's error.
+//! one rounding this path adds over the `f32` path is the weights `P` in
+//! `bf16` for `P·V`, per tile: in two parts on `vdpbf16ps` (each weight
+//! within a relative 2⁻¹⁵), rounded once on AMX tiles (2⁻⁸, where the
+//! second product would cost the tiles their lead over torch), so an
+//! output moves by at most `ε·Σ_j p_j·|v_j|/Σ_j p_j ≤ ε·max|v|` beyond
+//! the `f32` path's error, `ε` 2⁻¹⁵ or 2⁻⁸.
 
 use half::bf16;
 use ndarray::{ArrayView, ArrayView2, ArrayViewMut3, ArrayViewMut4, Dimension};
@@ -273,7 +275,8 @@ impl PairedKeys {
 
 impl TileSource for PairedKeys {
     const PAIRED_QUERIES: bool = true;
-    // Both kernels round the weights to `bf16` pairs.
+    // The AMX tiles round the weights to `bf16`; `vdpbf16ps` takes them in
+    // two `bf16` parts (within 2⁻¹⁵), and the output is `bf16` (2⁻⁹).
     const WEIGHT_PRECISION: WeightPrecision = WeightPrecision::Half;
 
     fn computed_rows<K: Kernel>(rows: usize) -> usize {

@@ -12,11 +12,15 @@
 //!   scale multiplies the `f32` scores (scaling `q` first would round it
 //!   to `bf16` a second time).
 //! - `O ← α·O + P·V` ([`Bf16Dot::accumulate_values`]): the `f32` weights
-//!   are rounded to `bf16` per tile (`vcvtne2ps2bf16`, to nearest even: a
-//!   relative error of at most 2⁻⁸ per weight, the one rounding this path
-//!   adds) and broadcast as pairs along keys; a value tile is
+//!   are split per tile into two `bf16` parts, `hi + mid`, within 2⁻¹⁵ of
+//!   each weight (the one rounding this path adds), and broadcast as pairs
+//!   along keys, two `vdpbf16ps` per pair of keys; a value tile is
 //!   `[PAIR_KEYS/2][width]` pairs (two keys of one column), so one vector
-//!   holds 16 columns × 2 keys.
+//!   holds 16 columns × 2 keys. Weights rounded to `bf16` once (2⁻⁸ each)
+//!   would run `P·V` twice as fast, but put a `bf16` output's error above
+//!   its own rounding (`docs/PERFORMANCE.md`, Zen 4: the whole forward
+//!   1.4× faster, its max error up to 1.13× the output's rounding and
+//!   its norm error up to 1.34×; with two parts both at that floor).
 //!
 //! Both instructions treat `bf16` subnormal inputs as zero and flush
 //! subnormal results (they ignore MXCSR), which moves a result by less
@@ -26,6 +30,7 @@
 //! one proves its kernels may run, as with the `f32` kernel sets.
 
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 use std::time::Instant;
 
 /// Keys per packed key tile (the driver's key tile): 4 vectors of 16.
@@ -96,11 +101,12 @@ impl Bf16Dot {
         unsafe { scores_tile(q_pairs, d_pairs, k_pairs, scale, s, s_stride) }
     }
 
-    /// `o[r] ← alpha[r]·o[r] + Σ_j bf16(p[r][j])·v[j]` for the
+    /// `o[r] ← alpha[r]·o[r] + Σ_j (hi + mid)(p[r][j])·v[j]`, the weights
+    /// in two `bf16` parts (within 2⁻¹⁵ of each), for the
     /// `alpha.len()` rows of `p` (row stride `p_stride`, [`PAIR_KEYS`]
     /// weights a row), the packed value tile `v_pairs`
     /// (`[PAIR_KEYS/2][width]`) and row-major `o` (`[rows][width]`, `width`
-    /// a multiple of 16). With `skip_zero_weights`, a weight that rounds to
+    /// a multiple of 16). With `skip_zero_weights`, a weight whose `hi` is
     /// zero contributes exactly nothing (for value tiles that may hold NaN
     /// or `±inf`: never `0·NaN`).
     ///
@@ -255,8 +261,8 @@ unsafe fn values_tile(
     }
 }
 
-/// `R` rows of [`values_tile`]: their weights rounded to `bf16` pairs once,
-/// then the value columns in blocks of up to 4 vectors.
+/// `R` rows of [`values_tile`]: their weights split into two `bf16` parts
+/// once, then the value columns in blocks of up to 4 vectors.
 ///
 /// # Safety
 /// The CPU has the features; `p` holds `R` rows of `PAIR_KEYS` weights at
@@ -272,21 +278,43 @@ unsafe fn values_rows<const R: usize, const SKIP: bool>(
     alpha: *const f32,
     o: *mut f32,
 ) {
-    // Row r's weights as bf16, key j at element j: pair jp is keys 2jp and
-    // 2jp + 1. `_mm512_cvtne2ps_pbh(a, b)` puts `b`'s 16 in the low half.
-    let mut weights = [[0u32; PAIR_KEYS / 2]; R];
-    for (r, row) in weights.iter_mut().enumerate() {
-        for (h, half) in row.chunks_exact_mut(LANES).enumerate() {
-            // SAFETY: row r's PAIR_KEYS weights are inside `p`; `half` has
-            // 16 u32s for the 32 bf16s.
+    // Each weight `w` in two `bf16` parts: `hi`, `w` with its low 16 bits
+    // cleared, and `mid`, the rest `w − hi` (exact in f32, below 2⁻⁷|w|)
+    // rounded to nearest, so `|w − hi − mid| ≤ 2⁻¹⁵|w|`. Truncating for
+    // `hi` rather than rounding saves widening it back to take the rest
+    // (the conversion of `hi` is exact): 2% of the forward on Zen 4.
+    //
+    // Part `a` of row r's weights, key j at element j: pair jp is keys 2jp
+    // and 2jp + 1; `_mm512_cvtne2ps_pbh(a, b)` puts `b`'s 16 in the low
+    // half. Not zeroed first: zeroing 1.5 KiB (`R` = 6) is a `memset` call
+    // every 6 rows, 1–2% of the forward on Zen 4.
+    let mut weights = MaybeUninit::<[[[u32; PAIR_KEYS / 2]; R]; 2]>::uninit();
+    let first = weights.as_mut_ptr().cast::<u32>();
+    let top = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    for r in 0..R {
+        for h in 0..PAIR_KEYS / (2 * LANES) {
+            // SAFETY: row r's PAIR_KEYS weights are inside `p`; 32 weights
+            // are 16 pairs, a vector of each part, at pair 16h of row r of
+            // the part: the loops write every element of `weights`.
             unsafe {
+                let at = |a: usize| first.add((a * R + r) * PAIR_KEYS / 2 + h * LANES);
                 let low = _mm512_loadu_ps(p.add(r * p_stride + 2 * h * LANES));
                 let high = _mm512_loadu_ps(p.add(r * p_stride + (2 * h + 1) * LANES));
-                let rounded: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(high, low));
-                _mm512_storeu_si512(half.as_mut_ptr().cast(), rounded);
+                let cut =
+                    |x: __m512| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), top));
+                let (low_hi, high_hi) = (cut(low), cut(high));
+                let hi: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(high_hi, low_hi));
+                let mid: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(
+                    _mm512_sub_ps(high, high_hi),
+                    _mm512_sub_ps(low, low_hi),
+                ));
+                _mm512_storeu_si512(at(0).cast(), hi);
+                _mm512_storeu_si512(at(1).cast(), mid);
             }
         }
     }
+    // SAFETY: every element is written above.
+    let weights = unsafe { weights.assume_init() };
     let vectors = width / LANES;
     let mut c0 = 0;
     // SAFETY (each block): vectors c0.. of the columns are inside `width`.
@@ -311,7 +339,7 @@ unsafe fn values_rows<const R: usize, const SKIP: bool>(
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[inline]
 unsafe fn values_block<const R: usize, const C: usize, const SKIP: bool>(
-    weights: &[[u32; PAIR_KEYS / 2]; R],
+    weights: &[[[u32; PAIR_KEYS / 2]; R]; 2],
     v: *const u32,
     width: usize,
     c0: usize,
@@ -327,6 +355,7 @@ unsafe fn values_block<const R: usize, const C: usize, const SKIP: bool>(
         })
     });
     let zero = _mm512_setzero_si512();
+    let [hi_parts, mid_parts] = weights;
     // `jp` indexes the value tile's pointer as well as `weights`.
     #[allow(clippy::needless_range_loop)]
     for jp in 0..PAIR_KEYS / 2 {
@@ -335,21 +364,26 @@ unsafe fn values_block<const R: usize, const C: usize, const SKIP: bool>(
             _mm512_loadu_si512(v.add(jp * width + column(c)).cast())
         });
         for (r, acc_row) in acc.iter_mut().enumerate() {
-            let weight = _mm512_set1_epi32(weights[r][jp] as i32);
-            // A zero weight (its bf16 bits are 0: weights are never −0)
-            // selects a zero value, so 0·NaN never happens.
+            let (hi, mid) = (
+                _mm512_set1_epi32(hi_parts[r][jp] as i32),
+                _mm512_set1_epi32(mid_parts[r][jp] as i32),
+            );
+            // A zero weight (its `hi` bits are 0: weights are never −0,
+            // and then `mid` is 0 too) selects a zero value, so 0·NaN
+            // never happens.
             let nonzero = if SKIP {
-                _mm512_cmpneq_epi16_mask(weight, zero)
+                _mm512_cmpneq_epi16_mask(hi, zero)
             } else {
                 u32::MAX
             };
+            let (hi, mid) = (pairs(hi), pairs(mid));
             for (a, &value) in acc_row.iter_mut().zip(&values) {
-                let value = if SKIP {
+                let value = pairs(if SKIP {
                     _mm512_maskz_mov_epi16(nonzero, value)
                 } else {
                     value
-                };
-                *a = _mm512_dpbf16_ps(*a, pairs(weight), pairs(value));
+                });
+                *a = _mm512_dpbf16_ps(_mm512_dpbf16_ps(*a, hi, value), mid, value);
             }
         }
     }
@@ -481,7 +515,7 @@ mod tests {
     }
 
     #[test]
-    fn values_match_f64_with_weights_rounded_to_bf16() {
+    fn values_match_f64_with_weights_in_two_bf16_parts() {
         let Some(dot) = Bf16Dot::new() else {
             return;
         };
@@ -507,25 +541,28 @@ mod tests {
             assert_eq!(o, skipped, "finite values: skipping gives the same bits");
             for r in 0..rows {
                 for c in 0..width {
-                    let (mut exact, mut rounded, mut magnitude) =
+                    let (mut exact, mut split, mut magnitude) =
                         (f64::from(alpha[r] * o0[r * width + c]), 0.0, 0.0);
-                    rounded += exact;
+                    split += exact;
                     magnitude += exact.abs();
                     for j in 0..PAIR_KEYS {
-                        let (w, x) = (f64::from(p[r * PAIR_KEYS + j]), value(v[j * width + c]));
-                        exact += w * x;
-                        rounded += value(bits(p[r * PAIR_KEYS + j])) * x;
-                        magnitude += (w * x).abs();
+                        let w = p[r * PAIR_KEYS + j];
+                        let x = value(v[j * width + c]);
+                        let hi = f32::from_bits(w.to_bits() & 0xffff_0000);
+                        let mid = value(bits(w - hi));
+                        let hi = f64::from(hi);
+                        exact += f64::from(w) * x;
+                        split += (hi + mid) * x;
+                        magnitude += (f64::from(w) * x).abs();
                     }
                     let got = f64::from(o[r * width + c]);
-                    // The f32 sums: 2⁻²⁴ of the magnitude per step.
-                    let sums = magnitude * (PAIR_KEYS as f64 + 2.0) * 2f64.powi(-24);
-                    assert!(
-                        (got - rounded).abs() <= sums,
-                        "[{r}][{c}]: {got} vs {rounded}"
-                    );
-                    // And the weights' rounding: 2⁻⁸ of each product.
-                    assert!((got - exact).abs() <= sums + magnitude * 2f64.powi(-9));
+                    // The f32 sums: 2⁻²⁴ of the magnitude per step, two
+                    // steps a key. Rounded weights alone would be 2⁻⁹ of
+                    // it away.
+                    let sums = magnitude * (2.0 * PAIR_KEYS as f64 + 2.0) * 2f64.powi(-24);
+                    assert!((got - split).abs() <= sums, "[{r}][{c}]: {got} vs {split}");
+                    // And what the two parts leave out: 2⁻¹⁵ of each product.
+                    assert!((got - exact).abs() <= sums + magnitude * 2f64.powi(-15));
                 }
             }
         }

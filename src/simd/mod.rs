@@ -218,9 +218,11 @@ impl FromStr for KernelSet {
 /// values (a layer's projections) takes the `f32` kernels, so that its
 /// queries are never rounded.
 ///
-/// The weights `P` are then rounded to `bf16` for `P·V` (a relative error
-/// of at most 2⁻⁸ each), which moves an output by at most `2⁻⁸·max|v|`
-/// over its visible keys beyond the `f32` path's error.
+/// The weights `P` are then taken in `bf16` for `P·V`: on `vdpbf16ps` in
+/// two parts (a relative error of at most 2⁻¹⁵ each), on AMX tiles
+/// rounded once (2⁻⁸ each), which moves an output by at most
+/// `2⁻¹⁵·max|v|` or `2⁻⁸·max|v|` over its visible keys beyond the `f32`
+/// path's error.
 ///
 /// ```
 /// use sdpa::simd::{KernelSet, bf16_dot_runs_on};

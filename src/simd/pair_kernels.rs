@@ -41,8 +41,10 @@ impl PairKernels {
         }
     }
 
-    /// `o[r] ← alpha[r]·o[r] + Σ_j bf16(p[r][j])·v[j]` for one packed
-    /// value tile; see [`Bf16Dot::accumulate_values`].
+    /// `o[r] ← alpha[r]·o[r] + Σ_j p[r][j]·v[j]` for one packed value
+    /// tile, the weights in two `bf16` parts (`vdpbf16ps`, within 2⁻¹⁵ of
+    /// each) or rounded to `bf16` (AMX tiles, 2⁻⁸); see
+    /// [`Bf16Dot::accumulate_values`].
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn accumulate_values(
         self,

@@ -278,17 +278,19 @@ impl<H: Half> Case<H> {
     }
 
     /// The absolute error bound on kernel set `set`: the `f32` part, and
-    /// where bf16 runs natively, the weights rounded to bf16 for `P·V`
-    /// (each by at most 2⁻⁸ relative, so an output, a weighted mean of
-    /// values, by at most 2⁻⁸·max|v|).
+    /// where bf16 runs natively, the weights' bf16 form in `P·V` (each
+    /// within a relative 2⁻⁸ on AMX tiles, 2⁻¹⁵ in two parts on
+    /// `vdpbf16ps`, so an output, a weighted mean of values, within that
+    /// times max|v|).
     fn error_on(&self, set: KernelSet) -> f64 {
-        let native = H::NATIVE_DOT && sdpa::simd::bf16_dot_runs_on(set);
-        self.f32_error()
-            + if native {
-                self.max_abs_v() / 256.0
-            } else {
-                0.0
-            }
+        let weights = if !(H::NATIVE_DOT && sdpa::simd::bf16_dot_runs_on(set)) {
+            0.0
+        } else if sdpa::simd::amx_runs_on(set) {
+            2f64.powi(-8)
+        } else {
+            2f64.powi(-15)
+        };
+        self.f32_error() + weights * self.max_abs_v()
     }
 }
 
