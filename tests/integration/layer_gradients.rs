@@ -808,27 +808,20 @@ fn assert_f32_matches_f64(case64: &Case<f64>, tol: f64) -> f64 {
         g64.d_parameters.iter().count()
     );
     let pairs = pairs(&g64, &g32);
-    let global = pairs
-        .iter()
-        .flat_map(|(_, a, _)| a.iter())
-        .fold(0.0_f64, |m, g| m.max(g.abs()));
-    let max_abs = |x: &mut dyn Iterator<Item = &f64>| x.fold(0.0_f64, |m, g| m.max(g.abs()));
+    let global = max_abs(pairs.iter().flat_map(|(_, a, _)| a));
     let w = &case64.weights;
-    let inputs = max_abs(&mut case64.x.iter().chain(case64.x_kv.iter().flatten()));
+    let inputs = max_abs(case64.x.iter().chain(case64.x_kv.iter().flatten()));
     let weights = max_abs(
-        &mut w
-            .w_q
+        w.w_q
             .iter()
-            .chain(w.w_k.iter())
-            .chain(w.w_v.iter())
+            .chain(&w.w_k)
+            .chain(&w.w_v)
             .chain(w.w_o.iter().flatten()),
     );
-    let terms = max_abs(&mut case64.d_y.iter()) * inputs * weights;
+    let terms = max_abs(&case64.d_y) * inputs * weights;
     let mut worst: f64 = 0.0;
     for (name, reference, fast) in &pairs {
-        let scale = reference
-            .iter()
-            .fold(0.0_f64, |m, g| m.max(g.abs()))
+        let scale = max_abs(reference)
             .max(0.1 * global)
             .max(0.01 * terms)
             .max(1e-30);
@@ -842,6 +835,11 @@ fn assert_f32_matches_f64(case64: &Case<f64>, tol: f64) -> f64 {
         }
     }
     worst
+}
+
+/// The largest magnitude among `values` (0 for none).
+fn max_abs<'a>(values: impl IntoIterator<Item = &'a f64>) -> f64 {
+    values.into_iter().fold(0.0_f64, |m, x| m.max(x.abs()))
 }
 
 /// f32 rounding, amplified by sums over a few hundred terms.
