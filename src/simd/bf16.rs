@@ -557,8 +557,8 @@ mod tests {
                     }
                     let got = f64::from(o[r * width + c]);
                     // The f32 sums: 2⁻²⁴ of the magnitude per step, two
-                    // steps a key. Rounded weights alone would be 2⁻⁹ of
-                    // it away.
+                    // steps a key (weights rounded once would be about
+                    // 2⁻⁹ of the magnitude away).
                     let sums = magnitude * (2.0 * PAIR_KEYS as f64 + 2.0) * 2f64.powi(-24);
                     assert!((got - split).abs() <= sums, "[{r}][{c}]: {got} vs {split}");
                     // And what the two parts leave out: 2⁻¹⁵ of each product.

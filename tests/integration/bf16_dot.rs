@@ -18,8 +18,9 @@
 //! weights' form in bf16 for `P·V`, each within a relative `ε` of the f32
 //! weight (2⁻¹⁵ in two parts on `vdpbf16ps`, 2⁻⁸ rounded once on AMX
 //! tiles; an output is a weighted mean of values, its denominator summed
-//! from the f32 weights); the third the f32 arithmetic, as in `half.rs`. The scores add nothing: the queries and keys are bf16 and
-//! their products exact in f32.
+//! from the f32 weights); the third the f32 arithmetic, as in `half.rs`.
+//! The scores add nothing: the queries and keys are bf16 and their
+//! products exact in f32.
 
 use half::bf16;
 use ndarray::{Array4, ArrayView4, s};
