@@ -37,6 +37,7 @@ pub(crate) fn forward<F: Element>(
     let shape = call.shape;
     let block_rows = (WEIGHT_BLOCK_ELEMENTS / shape.len_kv.max(1)).clamp(1, shape.len_q.max(1));
     let mut block = try_zeros("a block of attention weights", (block_rows, shape.len_kv))?;
+    let mut block_lse = try_zeros("a block of log-sum-exps", block_rows)?;
     for b in 0..shape.batch {
         for h in 0..shape.heads {
             let vh = head(&call.v, b, shape.kv_head(h));
@@ -44,17 +45,27 @@ pub(crate) fn forward<F: Element>(
             for i0 in (0..shape.len_q).step_by(block_rows) {
                 let rows = i0..(i0 + block_rows).min(shape.len_q);
                 let mut weights = block.slice_axis_mut(Axis(0), Slice::from(..rows.len()));
-                let lse = log_sum_exp.as_mut().map(|lse| {
-                    lse.index_axis_mut(Axis(0), b)
-                        .index_axis_move(Axis(0), h)
-                        .slice_axis_move(Axis(0), Slice::from(rows.clone()))
-                });
-                rows_weights(call, b, h, rows.clone(), weights.view_mut(), lse)?;
-                weighted_values(
-                    weights.view(),
-                    vh,
-                    out_h.slice_axis_mut(Axis(0), Slice::from(rows)),
-                );
+                let mut lse = block_lse.slice_axis_mut(Axis(0), Slice::from(..rows.len()));
+                rows_weights(call, b, h, rows.clone(), weights.view_mut(), lse.view_mut())?;
+                let mut out_rows = out_h.slice_axis_mut(Axis(0), Slice::from(rows.clone()));
+                weighted_values(weights.view(), vh, out_rows.view_mut());
+                // The sink scales each output row, after the values, as on
+                // the fused path: its share scaled into the weights first
+                // could round a visible key's weight to exactly 0 (a sink
+                // of 100 over scores near 10 leaves `f32` weights of e^−90
+                // and less), and a NaN value there would be skipped.
+                if let Some(sink) = call.sink(h) {
+                    for (row, lse) in out_rows.rows_mut().into_iter().zip(lse.iter_mut()) {
+                        apply_sink(row, lse, sink);
+                    }
+                }
+                if let Some(log_sum_exp) = log_sum_exp.as_mut() {
+                    log_sum_exp
+                        .index_axis_mut(Axis(0), b)
+                        .index_axis_mut(Axis(0), h)
+                        .slice_axis_mut(Axis(0), Slice::from(rows))
+                        .assign(&lse);
+                }
             }
         }
     }
@@ -63,7 +74,8 @@ pub(crate) fn forward<F: Element>(
 
 /// The weights of query rows `rows` of batch item `b`, head `h` against
 /// every key, `[rows, len_kv]`, into `weights`, and each row's log-sum-exp
-/// into `log_sum_exp` when given.
+/// into `log_sum_exp`: of the keys alone, without the head's sink, which
+/// the caller applies to what it makes of them ([`apply_sink`]).
 ///
 /// # Errors
 /// When the block of scaled queries cannot be allocated.
@@ -73,7 +85,7 @@ pub(crate) fn rows_weights<F: Element>(
     h: usize,
     rows: Range<usize>,
     mut weights: ArrayViewMut2<'_, F>,
-    mut log_sum_exp: Option<ArrayViewMut1<'_, F>>,
+    mut log_sum_exp: ArrayViewMut1<'_, F>,
 ) -> Result<(), AttentionError> {
     let qh = head(&call.q, b, h);
     let kh = head(&call.k, b, call.shape.kv_head(h));
@@ -99,19 +111,14 @@ pub(crate) fn rows_weights<F: Element>(
             softcap: call.opts.softcap,
             alibi: call.alibi(h, i),
         };
-        let mut lse = softmax_row(row.view_mut(), &visible, bias.as_ref(), modifiers);
+        let lse = softmax_row(row.view_mut(), &visible, bias.as_ref(), modifiers);
         // Every visible score −inf: a row that saw nothing, unless a key the
         // bias does not hide is among them (the shared rule of `mask.rs`):
         // then its output is NaN, and its log-sum-exp stays −inf.
         if lse == F::neg_infinity() && call.has_unhidden_key(b, h, i, 0..call.shape.len_kv) {
             row.fill(F::nan());
         }
-        if let Some(sink) = call.sink(h) {
-            apply_sink(row.iter_mut(), &mut lse, sink);
-        }
-        if let Some(log_sum_exp) = log_sum_exp.as_mut() {
-            log_sum_exp[r] = lse;
-        }
+        log_sum_exp[r] = lse;
     }
     Ok(())
 }

@@ -137,10 +137,17 @@ fn reference_weights<F: Element>(
     let shape = call.shape;
     let dim = (shape.batch, shape.heads, shape.len_q, shape.len_kv);
     let mut weights = try_zeros("the attention weights", dim)?;
+    let mut lse = try_zeros("a head's log-sum-exps", shape.len_q)?;
     for b in 0..shape.batch {
         for h in 0..shape.heads {
             let rows = 0..shape.len_q;
-            forward::rows_weights(&call, b, h, rows, head_mut(&mut weights, b, h), None)?;
+            let mut weights = head_mut(&mut weights, b, h);
+            forward::rows_weights(&call, b, h, rows, weights.view_mut(), lse.view_mut())?;
+            if let Some(sink) = call.sink(h) {
+                for (row, lse) in weights.rows_mut().into_iter().zip(lse.iter_mut()) {
+                    crate::modifiers::apply_sink(row, lse, sink);
+                }
+            }
         }
     }
     Ok(weights)

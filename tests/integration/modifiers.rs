@@ -794,6 +794,33 @@ fn nan_in_masked_keys_never_leaks_and_a_row_that_sees_nothing_gives_the_sink() {
     }
 }
 
+/// A visible NaN value reaches the output however large the sink: the
+/// sink scales a row's output after its values are summed, on every path,
+/// so a weight it would round to 0 (here e^−110 of the row, below `f32`'s
+/// subnormals) does not skip the value as a masked one is skipped.
+#[test]
+fn a_large_sink_does_not_hide_a_visible_nan_value() {
+    // Scores 10 and −10 (d 1, scale 1) under a sink of 100.
+    let q = Array4::from_elem((1, 1, 1, 1), 1.0f32);
+    let k = Array4::from_shape_vec((1, 1, 2, 1), vec![10.0f32, -10.0]).unwrap();
+    let v = Array4::from_shape_vec((1, 1, 2, 2), vec![1.0f32, 2.0, f32::NAN, 3.0]).unwrap();
+    let sinks = [100.0f32];
+    let opts = AttentionOptions::new().scale(1.0).sinks(&sinks);
+    let expect = |out: &Array4<f32>, what: &str| {
+        assert!(out[[0, 0, 0, 0]].is_nan(), "{what}: {out}");
+        // The other column is finite: about 2·e^−90.
+        assert!(out[[0, 0, 0, 1]].is_finite(), "{what}: {out}");
+    };
+    let core = sdpa::core::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts);
+    expect(&core.unwrap(), "core");
+    for set in available_kernel_sets() {
+        let fused = sdpa::simd::with_kernel_set(set, || {
+            sdpa::scaled_dot_product_attention(q.view(), k.view(), v.view(), &opts)
+        });
+        expect(&fused.unwrap().unwrap(), &format!("{set}"));
+    }
+}
+
 #[test]
 fn bad_modifiers_are_errors() {
     let x = Array4::<f32>::zeros((1, 2, 3, 4));
