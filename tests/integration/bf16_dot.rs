@@ -29,8 +29,8 @@ use sdpa::simd::{
 };
 use sdpa::{AttentionOptions, CausalAlignment, alibi_slopes, scaled_dot_product_attention};
 
-use crate::common::Rng;
 use crate::common::with_threads;
+use crate::common::{Rng, native_weights_error};
 
 /// A native bf16 path: the AVX-512 set, with or without AMX tiles.
 #[derive(Debug, Clone, Copy)]
@@ -43,11 +43,7 @@ impl Engine {
     /// `ε`: how far each weight's bf16 form in `P·V` may be from the f32
     /// weight, relative to it.
     fn weights_error(self) -> f64 {
-        if self.amx {
-            2f64.powi(-8)
-        } else {
-            2f64.powi(-15)
-        }
+        native_weights_error(self.amx)
     }
 }
 

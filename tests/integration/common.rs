@@ -67,6 +67,14 @@ pub fn engines() -> Vec<Engine> {
     engines
 }
 
+/// How far a native `bf16` forward's form of each weight in `P·V` may be
+/// from the `f32` weight, relative to it: 2⁻⁸ rounded once on AMX tiles,
+/// 2⁻¹⁵ in two parts on `vdpbf16ps`.
+#[cfg(feature = "half")]
+pub fn native_weights_error(amx: bool) -> f64 {
+    if amx { 2f64.powi(-8) } else { 2f64.powi(-15) }
+}
+
 /// A column-major array of NaN: a caller's buffer that an `_into` call
 /// must overwrite entry by entry, whatever its layout.
 pub fn nan_filled<F: Element, D: Dimension>(dim: D) -> Array<F, D> {

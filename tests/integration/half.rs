@@ -283,12 +283,10 @@ impl<H: Half> Case<H> {
     /// `vdpbf16ps`, so an output, a weighted mean of values, within that
     /// times max|v|).
     fn error_on(&self, set: KernelSet) -> f64 {
-        let weights = if !(H::NATIVE_DOT && sdpa::simd::bf16_dot_runs_on(set)) {
-            0.0
-        } else if sdpa::simd::amx_runs_on(set) {
-            2f64.powi(-8)
+        let weights = if H::NATIVE_DOT && sdpa::simd::bf16_dot_runs_on(set) {
+            crate::common::native_weights_error(sdpa::simd::amx_runs_on(set))
         } else {
-            2f64.powi(-15)
+            0.0
         };
         self.f32_error() + weights * self.max_abs_v()
     }
