@@ -1,6 +1,8 @@
 //! The fused backward against the `f64` reference, and a backward from a
 //! made-up forward partial.
 
+use ndarray::ArrayView1;
+
 use super::*;
 
 pub(super) const BACKWARD_CLOSE: &str = "fused backward within tolerance of the f64 reference";
@@ -55,7 +57,7 @@ pub(super) fn backward_case(case: &Case, report: &mut CaseReport) {
     let d64 = Data::<f64>::new(case);
     let (o32, o64) = (case.options(&d32), case.options(&d64));
     let (q64, k64, v64) = d64.qkv();
-    let (expected, sink_terms) = match guarded(|| {
+    let (expected, (terms, sink_terms)) = match guarded(|| {
         let forward = sdpa::scaled_dot_product_attention_partial(q64, k64, v64, &o64)?;
         let gradients = sdpa::core::scaled_dot_product_attention_backward(
             q64,
@@ -65,7 +67,12 @@ pub(super) fn backward_case(case: &Case, report: &mut CaseReport) {
             &forward,
             d64.d_out.view(),
         )?;
-        Ok::<_, AttentionError>((gradients, sink_terms(case, &forward, &d64.d_out.view())))
+        let weights = sdpa::core::attention_weights(q64, k64, &o64)?;
+        let terms = GradientTerms::of(case, &weights, &forward, &d64, scaled_inputs);
+        Ok::<_, AttentionError>((
+            gradients,
+            (terms, sink_terms(case, &forward, &d64.d_out.view())),
+        ))
     }) {
         Ok(Ok(g)) => g,
         Ok(Err(e)) => return report.fail(EXPECTED, format!("core f64 backward: {e}")),
@@ -114,12 +121,12 @@ pub(super) fn backward_case(case: &Case, report: &mut CaseReport) {
             report,
         );
         let mut pairs = vec![
-            ("d_q", to64(&got.d_q), &expected.d_q),
-            ("d_k", to64(&got.d_k), &expected.d_k),
-            ("d_v", to64(&got.d_v), &expected.d_v),
+            ("d_q", to64(&got.d_q), &expected.d_q, terms.d_q),
+            ("d_k", to64(&got.d_k), &expected.d_k, terms.d_k),
+            ("d_v", to64(&got.d_v), &expected.d_v, terms.d_v),
         ];
         match (&got.d_bias, &expected.d_bias) {
-            (Some(g), Some(e)) => pairs.push(("d_bias", to64(g), e)),
+            (Some(g), Some(e)) => pairs.push(("d_bias", to64(g), e, terms.d_bias)),
             (None, None) => {}
             _ => report.fail(
                 BACKWARD_CLOSE,
@@ -147,8 +154,12 @@ pub(super) fn backward_case(case: &Case, report: &mut CaseReport) {
                 format!("fused {set}: d_sinks present in one result only"),
             ),
         }
-        for (name, g, e) in pairs {
-            let scale = 1.0 + e.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        for (name, g, e, terms) in pairs {
+            // The rounding scales with the terms summed, which cancellation
+            // can leave far larger than the result (a row that sees one key
+            // has d_q = 0 in exact arithmetic).
+            let result = e.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            let scale = 1.0 + result.max(terms);
             let tol = scale * (2e-5 + 4.0 * c.score_error(EPS32));
             if let Some(((index, &g), &e)) = g
                 .indexed_iter()
@@ -157,6 +168,76 @@ pub(super) fn backward_case(case: &Case, report: &mut CaseReport) {
             {
                 report.fail(BACKWARD_CLOSE, format!("fused {set}: {name}{index:?} = {g:e}, f64 reference {e:e} (tolerance {tol:e})"));
             }
+        }
+    }
+}
+
+/// The magnitude of the sums each gradient is made of, from the `f64`
+/// forward. With `t_ij = P_ij·(Σ_c |dO_ic·v_jc| + Σ_c |dO_ic·O_ic|)`, which
+/// bounds `|dS_ij| = P_ij·|dO_i·v_j − dO_i·O_i|` term by term (a softcap's
+/// slope is at most 1):
+/// - `d_q`: `|scale|·max|k|·max_i Σ_j t_ij`;
+/// - `d_k`: `|scale|·max|q|·max_j Σ_(h in j's group, i) t_ij`;
+/// - `d_v`: `max_j Σ_(h in j's group, i) P_ij·max_c |dO_ic|`;
+/// - `d_bias`: the largest sum of `t_ij` over the positions an entry
+///   broadcasts to.
+struct GradientTerms {
+    d_q: f64,
+    d_k: f64,
+    d_v: f64,
+    d_bias: f64,
+}
+
+impl GradientTerms {
+    /// `scaled_inputs` is `|scale|·max(max|q|, max|k|)` of the unpoisoned
+    /// case.
+    fn of(
+        case: &Case,
+        weights: &Array4<f64>,
+        forward: &AttentionPartial<f64>,
+        d64: &Data<f64>,
+        scaled_inputs: f64,
+    ) -> Self {
+        let (batch, heads, len_q, len_kv) = weights.dim();
+        let kv_heads = case.k.shape[1];
+        let group = heads / kv_heads;
+        let (v, d_out, out) = (d64.v.view(), d64.d_out.view(), forward.output());
+        let mut row_terms = Array3::<f64>::zeros((batch, heads, len_q));
+        let mut key_terms = Array3::<f64>::zeros((batch, kv_heads, len_kv));
+        let mut value_terms = Array3::<f64>::zeros((batch, kv_heads, len_kv));
+        let mut bias_terms = case.bias.as_ref().map(|b| Array4::<f64>::zeros(b.shape));
+        let offset = case.shard().0;
+        for ((b, h, i, j), &p) in weights.indexed_iter() {
+            // Hidden and invisible entries have weight 0 and may hold NaN.
+            if p == 0.0 {
+                continue;
+            }
+            let g = h / group;
+            let (d_o, o, v_j) = (
+                d_out.slice(s![b, h, i, ..]),
+                out.slice(s![b, h, i, ..]),
+                v.slice(s![b, g, j, ..]),
+            );
+            let dot = |x: ArrayView1<'_, f64>| -> f64 {
+                d_o.iter().zip(x).map(|(a, b)| (a * b).abs()).sum()
+            };
+            let t = p * (dot(v_j) + dot(o));
+            row_terms[[b, h, i]] += t;
+            key_terms[[b, g, j]] += t;
+            value_terms[[b, g, j]] += p * d_o.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            if let Some(terms) = &mut bias_terms {
+                let pos = [b, h, i, offset + j];
+                let index: [usize; 4] =
+                    std::array::from_fn(|a| if terms.shape()[a] == 1 { 0 } else { pos[a] });
+                terms[index] += t;
+            }
+        }
+        let max = |a: &[f64]| a.iter().fold(0.0f64, |m, &x| m.max(x));
+        GradientTerms {
+            d_q: scaled_inputs * max(row_terms.as_slice().unwrap()),
+            d_k: scaled_inputs * max(key_terms.as_slice().unwrap()),
+            d_v: max(value_terms.as_slice().unwrap()),
+            d_bias: bias_terms.map_or(0.0, |t| max(t.as_slice().unwrap())),
         }
     }
 }

@@ -78,10 +78,10 @@ pub(super) fn shard_case(case: &Case, report: &mut CaseReport) {
 
     let compare = |report: &mut CaseReport,
                    label: String,
-                   eps: f64,
+                   path: PathKind,
                    whole: (Array4<f64>, Array3<f64>),
                    merged: (Array4<f64>, Array3<f64>)| {
-        let tol = 2.0 * conditioning.output(eps);
+        let tol = 2.0 * path.output_tolerance(&conditioning);
         for ((b, h, i), &amb) in ambiguous.indexed_iter() {
             let (whole_row, merged_row) = (
                 whole.0.slice(s![b, h, i, ..]),
@@ -95,7 +95,7 @@ pub(super) fn shard_case(case: &Case, report: &mut CaseReport) {
             for (n, (w, m)) in rows.enumerate() {
                 let is_lse = n == case.v.shape[3];
                 let tol = if is_lse {
-                    2.0 * conditioning.log_sum_exp(eps, w)
+                    2.0 * path.lse_tolerance(&conditioning, w)
                 } else {
                     tol
                 };
@@ -132,7 +132,13 @@ pub(super) fn shard_case(case: &Case, report: &mut CaseReport) {
                     let (o, l) = p.into_parts();
                     (o.mapv(f64::from), l.mapv(f64::from))
                 };
-                compare(report, format!("fused {set}"), EPS32, f(whole), f(merged));
+                compare(
+                    report,
+                    format!("fused {set}"),
+                    F32_PATH,
+                    f(whole),
+                    f(merged),
+                );
             }
             Ok(Err(e)) => report.fail(EXPECTED, format!("fused {set}: {e}")),
             Err(panic) => report.fail(NO_PANIC, format!("fused {set}: {panic}")),
@@ -147,7 +153,7 @@ pub(super) fn shard_case(case: &Case, report: &mut CaseReport) {
         Ok(Ok((whole, merged))) => compare(
             report,
             "core f64".into(),
-            EPS64,
+            F64_PATH,
             whole.into_parts(),
             merged.into_parts(),
         ),
