@@ -20,7 +20,9 @@
 //!   NaN, never the zeros of a row that saw nothing
 //!   ([`Call::has_unhidden_key`] tells the two apart), and log-sum-exp
 //!   `−inf`, the log of its zero sum of weights, so that a key shard of
-//!   such keys merges into the others' result as nothing.
+//!   such keys merges into the others' result as nothing. With a sink the
+//!   weights sum to `0 / e^(sink)`: zeros with log-sum-exp `sink_h`, what
+//!   merging the sink's own partial gives (`modifiers::apply_sink`).
 
 use std::ops::Range;
 

@@ -161,22 +161,26 @@ impl<F: Copy, KV, Q> Call<'_, F, KV, Q> {
 }
 
 /// Merges a sink of logit `sink` (a partial result with output 0) into a
-/// row's normalised output and log-sum-exp. A row that saw nothing
-/// (`lse = −inf`) keeps its zeros (or NaN) and gets `lse = sink` exactly.
+/// row's normalised output and log-sum-exp, as merging the sink's partial
+/// would (`merge_row`). A row whose keys have no weight (`lse = −inf`: it
+/// saw none, or they all scored `−inf`, a NaN row) becomes zeros with
+/// `lse = sink` exactly: each `P_ij = 0 / e^(sink)`, the sink takes all
+/// the weight. A NaN row would not match a key shard's merge, where the
+/// shard of such keys merges into the sink's shard as nothing.
 #[inline]
 pub(crate) fn apply_sink<'o, F: Float + 'o>(
     out: impl IntoIterator<Item = &'o mut F>,
     lse: &mut F,
     sink: F,
 ) {
-    let total = if *lse == F::neg_infinity() {
-        sink
-    } else {
-        // NaN in `lse` gives NaN here (`(NaN − max).exp()`).
-        let max = lse.max(sink);
-        max + ((*lse - max).exp() + (sink - max).exp()).ln()
-    };
-    // 0 when lse = −inf: zeros stay zeros, NaN stays NaN.
+    if *lse == F::neg_infinity() {
+        out.into_iter().for_each(|x| *x = F::zero());
+        *lse = sink;
+        return;
+    }
+    // NaN in `lse` gives NaN here (`(NaN − max).exp()`).
+    let max = lse.max(sink);
+    let total = max + ((*lse - max).exp() + (sink - max).exp()).ln();
     let factor = (*lse - total).exp();
     out.into_iter().for_each(|x| *x = *x * factor);
     *lse = total;

@@ -300,8 +300,9 @@ impl<'a, F: Copy> AttentionOptions<'a, F> {
     /// scaled, biased or masked. One finite logit per query head; the call
     /// returns an error otherwise.
     ///
-    /// A row that sees no key outputs zeros and has log-sum-exp `sinks[h]`
-    /// (the sink takes all the weight). With
+    /// A row that sees no key, or whose visible keys all score `−inf`,
+    /// outputs zeros and has log-sum-exp `sinks[h]`: the sink takes all the
+    /// weight (without sinks, a row of `−inf` scores is NaN). With
     /// [`key_shard`](Self::key_shard), only the shard holding key 0 of the
     /// whole sequence counts the sink (with no keys at all, a shard at
     /// offset 0), so merging the shards' partials counts it once and gives

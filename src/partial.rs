@@ -179,7 +179,8 @@ impl<F: Storage> AttentionPartial<F> {
 /// A side with `lse = −inf` has no weight and contributes nothing beside
 /// one that has (its output is never multiplied, so even a NaN there cannot
 /// leak). When neither has weight, a NaN output sticks: a row whose
-/// visible keys all scored `−inf` is NaN, split or not (see `mask.rs`).
+/// visible keys all scored `−inf` is NaN, split or not (see `mask.rs`),
+/// unless a sink's partial joins it (zeros, `modifiers::apply_sink`).
 pub(crate) fn merge_row<F: Float>(
     mut out: ArrayViewMut1<'_, F>,
     lse: &mut F,

@@ -821,6 +821,92 @@ fn a_large_sink_does_not_hide_a_visible_nan_value() {
     }
 }
 
+/// A row whose keys all score `−inf` is NaN without a sink (its weights
+/// sum to 0), and zeros with log-sum-exp `sink_h` with one: every
+/// `P_ij = 0 / e^(sink_h)`, the sink takes all the weight. That is also
+/// what key shards give merged: the shard of such keys (NaN, log-sum-exp
+/// `−inf`) merges into the sink's shard as nothing.
+#[test]
+fn a_sink_takes_all_the_weight_of_a_row_whose_keys_all_score_minus_infinity() {
+    // Head 0's query is 1 and head 1's −1 (d 1, scale 1): keys of −inf and
+    // +inf score −inf for both heads.
+    let q = Array4::from_shape_vec((1, 2, 1, 1), vec![1.0f32, -1.0]).unwrap();
+    let k = Array4::from_shape_vec(
+        (1, 2, 2, 1),
+        vec![
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            f32::INFINITY,
+        ],
+    )
+    .unwrap();
+    let v = Array4::from_shape_fn((1, 2, 2, 3), |(_, h, j, c)| (h * 6 + j * 3 + c) as f32);
+    let sinks = [0.5f32, -3.0];
+    let with_sinks = AttentionOptions::new().scale(1.0).sinks(&sinks);
+    let expect_sink = |p: &AttentionPartial<f32>, what: &str| {
+        assert!(
+            p.output().iter().all(|&x| x == 0.0),
+            "{what}: {}",
+            p.output()
+        );
+        assert_eq!(p.log_sum_exp().as_slice().unwrap(), &sinks, "{what}");
+    };
+    let f64s = |x: &Array4<f32>| x.mapv(f64::from);
+    let sinks64 = sinks.map(f64::from);
+    let opts64 = AttentionOptions::new().scale(1.0).sinks(&sinks64);
+    let core64 = scaled_dot_product_attention_partial(
+        f64s(&q).view(),
+        f64s(&k).view(),
+        f64s(&v).view(),
+        &opts64,
+    )
+    .unwrap();
+    assert!(core64.output().iter().all(|&x| x == 0.0), "core f64");
+    assert_eq!(
+        core64.log_sum_exp().as_slice().unwrap(),
+        &sinks64,
+        "core f64"
+    );
+    // `core` in f64 (above: the partial's path for f64) and in f32.
+    let core = sdpa::core::scaled_dot_product_attention(q.view(), k.view(), v.view(), &with_sinks)
+        .unwrap();
+    assert!(core.iter().all(|&x| x == 0.0), "core: {core}");
+    let weights = sdpa::core::attention_weights(q.view(), k.view(), &with_sinks).unwrap();
+    assert!(weights.iter().all(|&w| w == 0.0), "weights: {weights}");
+    for set in available_kernel_sets() {
+        sdpa::simd::with_kernel_set(set, || {
+            let run = |opts: &AttentionOptions<f32>| {
+                scaled_dot_product_attention_partial(q.view(), k.view(), v.view(), opts).unwrap()
+            };
+            let whole = run(&with_sinks);
+            expect_sink(&whole, &format!("{set}"));
+            // Without sinks, the same rows are NaN with log-sum-exp −inf.
+            let plain = run(&AttentionOptions::new().scale(1.0));
+            assert!(plain.output().iter().all(|x| x.is_nan()), "{set}");
+            assert!(
+                plain.log_sum_exp().iter().all(|&l| l == f32::NEG_INFINITY),
+                "{set}"
+            );
+            // One shard per key, merged in either order.
+            for order in [[0, 1], [1, 0]] {
+                let parts = order.map(|j| {
+                    scaled_dot_product_attention_partial(
+                        q.view(),
+                        k.slice(s![.., .., j..j + 1, ..]),
+                        v.slice(s![.., .., j..j + 1, ..]),
+                        &with_sinks.clone().key_shard(j, 2),
+                    )
+                    .unwrap()
+                });
+                let merged = AttentionPartial::merge_all(parts.to_vec()).unwrap();
+                expect_sink(&merged, &format!("{set}, shards {order:?}"));
+            }
+        })
+        .unwrap();
+    }
+}
+
 #[test]
 fn bad_modifiers_are_errors() {
     let x = Array4::<f32>::zeros((1, 2, 3, 4));

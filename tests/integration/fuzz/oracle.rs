@@ -14,8 +14,8 @@ use super::*;
 /// the scaled score `s` into `cap·tanh(s/cap)` (`±inf` into `±cap`) before
 /// the bias; ALiBi adds `slope_h·(j − p_i)` after it; a sink joins each
 /// softmax's denominator, `P_ij = e^(S_ij) / (e^(sink_h) + Σ_j e^(S_ij))`,
-/// and a row that sees no key (zeros, or NaN when its scores are all
-/// `−inf`) has log-sum-exp `sink_h`.
+/// and a row that sees no key, or whose scores are all `−inf`, is zeros
+/// with log-sum-exp `sink_h` (the sink takes all the weight).
 pub(super) struct Reference {
     pub(super) out: Array4<f64>,
     pub(super) lse: Array3<f64>,
@@ -99,9 +99,11 @@ pub(super) fn oracle(case: &Case, vis: &Visibility) -> Reference {
         }
         if max == f64::NEG_INFINITY {
             // Every unhidden visible score −inf from the data: a sum of
-            // weights of 0, so NaN out and log-sum-exp −inf (the sink's,
-            // with a sink).
-            out.slice_mut(s![b, h, i, ..]).fill(f64::NAN);
+            // weights of 0, so NaN out and log-sum-exp −inf. With a sink
+            // every weight is `0 / e^(sink)`: zeros, log-sum-exp `sink_h`.
+            if sink.is_none() {
+                out.slice_mut(s![b, h, i, ..]).fill(f64::NAN);
+            }
             continue;
         }
         if !max.is_finite() {
