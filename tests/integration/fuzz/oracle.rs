@@ -402,9 +402,14 @@ pub(super) fn check_forward(
         // Whether the row sees a key is a matter of its keys alone: the
         // sink, if any, only joins their log-sum-exp.
         let keys_lse = reference.keys_lse[[b, h, i]];
-        // A row whose unhidden keys all scored −inf (NaN, log-sum-exp −inf)
-        // was checked above.
-        if keys_lse == f64::NEG_INFINITY && want.iter().any(|w| w.is_nan()) {
+        // A row whose unhidden keys all scored −inf (NaN, log-sum-exp −inf,
+        // or zeros with a sink) was checked above; on an `f32` path such a
+        // row, which sees a non-finite input, may come out non-finite
+        // (say `scale·q·k` overflows where `f64` gives −inf).
+        let non_finite = got.iter().any(|g| !g.is_finite());
+        if keys_lse == f64::NEG_INFINITY
+            && (want.iter().any(|w| w.is_nan()) || (explained && non_finite))
+        {
             continue;
         }
         if keys_lse == f64::NEG_INFINITY {
